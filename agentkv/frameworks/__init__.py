@@ -1,0 +1,1 @@
+"""Framework adapters (LangGraph, AutoGen, plain OpenAI SDK)."""

@@ -1,0 +1,159 @@
+"""Graph facts: what the application declares, kept apart from what is learned.
+
+A fact outranks a prediction: a declared graph bounds which transitions can happen at
+all, and an ended or cancelled session is retired before anything predicted useful.
+Events are idempotent: replaying an event (same ``id``) changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+__all__ = ["END", "START", "GraphFacts"]
+
+# LangGraph's virtual entry and exit nodes; they are not agents.
+START = "__start__"
+END = "__end__"
+
+
+class GraphFacts:
+    """Declared agent graph plus session lifecycle facts.
+
+    Invariants: ``graph`` holds only declared agents (never START/END); ``entry`` holds
+    the agents a session may start with; ``ended`` is bounded by ``max_ended`` and
+    ordered oldest first.
+    """
+
+    def __init__(self, *, max_ended: int = 100_000, max_event_ids: int = 100_000) -> None:
+        self.graph: nx.DiGraph = nx.DiGraph()
+        self.entry: set[str] = set()
+        self.ended: OrderedDict[str, str] = OrderedDict()  # session -> "session_end" | "cancel"
+        self.started: OrderedDict[str, None] = OrderedDict()
+        self._seen_ids: OrderedDict[str, None] = OrderedDict()
+        self._max_ended = max_ended
+        self._max_event_ids = max_event_ids
+        self.version = 0
+
+    # -- declaring -----------------------------------------------------------------
+
+    def declare_graph(
+        self,
+        nodes: Iterable[str],
+        edges: Iterable[tuple[str, str]] = (),
+        conditional_edges: Iterable[tuple[str, str]] = (),
+        entry: Iterable[str] = (),
+    ) -> None:
+        """Add declared agents and edges (declarations accumulate; several apps may share a server)."""
+        for node in nodes:
+            if node not in (START, END):
+                self.graph.add_node(node)
+        for kind, pairs in (("static", edges), ("conditional", conditional_edges)):
+            for source, target in pairs:
+                if source == START:
+                    if target != END:
+                        self.entry.add(target)
+                        self.graph.add_node(target)
+                elif target != END:
+                    self.graph.add_edge(source, target, kind=kind)
+                else:
+                    self.graph.add_node(source)
+        self.entry.update(a for a in entry if a not in (START, END))
+        self.graph.add_nodes_from(self.entry)
+        self.version += 1
+
+    def start_session(self, session: str) -> None:
+        self.ended.pop(session, None)
+        self.started[session] = None
+        self.started.move_to_end(session)
+        _trim(self.started, self._max_ended)
+        self.version += 1
+
+    def end_session(self, session: str, *, cancelled: bool = False) -> None:
+        self.started.pop(session, None)
+        self.ended[session] = "cancel" if cancelled else "session_end"
+        self.ended.move_to_end(session)
+        _trim(self.ended, self._max_ended)
+        self.version += 1
+
+    def apply(self, event: Mapping[str, Any]) -> bool:
+        """Apply one validated event (see agentkv.protocol.EVENTS_SCHEMA); False if a replay."""
+        event_id = event.get("id")
+        if event_id is not None:
+            key = f"{event['type']}:{event_id}"
+            if key in self._seen_ids:
+                return False
+            self._seen_ids[key] = None
+            _trim(self._seen_ids, self._max_event_ids)
+        kind = event["type"]
+        if kind == "graph":
+            self.declare_graph(
+                event["nodes"],
+                [tuple(e) for e in event.get("edges", ())],
+                [tuple(e) for e in event.get("conditional_edges", ())],
+                event.get("entry", ()),
+            )
+        elif kind == "session_start":
+            self.start_session(event["session"])
+        elif kind in ("session_end", "cancel"):
+            self.end_session(event["session"], cancelled=kind == "cancel")
+        else:
+            raise ValueError(f"unknown event type {kind!r}")
+        return True
+
+    # -- reading -------------------------------------------------------------------
+
+    @property
+    def has_graph(self) -> bool:
+        return self.graph.number_of_nodes() > 0
+
+    def is_ended(self, session: str) -> bool:
+        return session in self.ended
+
+    def successors(self, agent: str) -> set[str] | None:
+        """Declared successors of ``agent``; None when the graph says nothing about it."""
+        if agent not in self.graph:
+            return None
+        return set(self.graph.successors(agent))
+
+    def transition_mask(self, agents: list[str]) -> np.ndarray | None:
+        """mask[i, j] = False where the declared graph rules out agents[i] -> agents[j].
+
+        Rows of undeclared agents are all True (no fact, no constraint); a declared agent
+        may always reach an undeclared one, since the graph may simply not know it yet.
+        """
+        if not self.has_graph:
+            return None
+        declared = np.array([a in self.graph for a in agents], dtype=bool)
+        mask = np.ones((len(agents), len(agents)), dtype=bool)
+        index = {a: i for i, a in enumerate(agents)}
+        for i, agent in enumerate(agents):
+            if declared[i]:
+                mask[i, declared] = False
+                for succ in self.graph.successors(agent):
+                    if succ in index:
+                        mask[i, index[succ]] = True
+        return mask
+
+    def entry_mask(self, agents: list[str]) -> np.ndarray | None:
+        """mask[j] = False where the declared entry points rule out a session starting at agents[j]."""
+        if not self.entry:
+            return None
+        return np.array([a in self.entry or a not in self.graph for a in agents], dtype=bool)
+
+    def export(self) -> dict[str, Any]:
+        return {
+            "nodes": sorted(self.graph.nodes),
+            "edges": sorted([u, v] for u, v, k in self.graph.edges(data="kind") if k == "static"),
+            "conditional_edges": sorted([u, v] for u, v, k in self.graph.edges(data="kind") if k == "conditional"),
+            "entry": sorted(self.entry),
+        }
+
+
+def _trim(table: OrderedDict[str, Any], limit: int) -> None:
+    while len(table) > limit:
+        table.popitem(last=False)

@@ -1,0 +1,339 @@
+"""Online first-order Markov model of agent transitions (seed 001 §3.2)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["LearnerConfig", "Observation", "TransitionLearner", "transition_entropy_ratio"]
+
+# Decayed counts are stored multiplied by a growing weight so that forgetting costs O(1)
+# per observation; the matrix is rescaled when the weight gets this large.
+_RESCALE_AT = 1e150
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    """Parameters of a TransitionLearner.
+
+    ``half_life`` is measured in observed dispatches: after that many newer dispatches an
+    observation weighs half as much. ``None`` keeps counts forever.
+    """
+
+    epsilon: float = 0.1
+    half_life: float | None = None
+    max_agents: int = 256
+    max_sessions: int = 100_000
+    session_ttl: float = 3600.0
+    accuracy_window: int = 50
+
+    def __post_init__(self) -> None:
+        if not self.epsilon > 0:
+            raise ValueError("epsilon must be > 0")
+        if self.half_life is not None and not self.half_life > 0:
+            raise ValueError("half_life must be > 0 or None")
+        if self.max_agents < 2 or self.max_sessions < 1 or self.accuracy_window < 1:
+            raise ValueError("max_agents >= 2, max_sessions >= 1 and accuracy_window >= 1 are required")
+        if not self.session_ttl > 0:
+            raise ValueError("session_ttl must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One learned dispatch: ``previous`` is None for the first agent of a session."""
+
+    agent: str
+    session: str | None
+    previous: str | None
+    predicted: str | None
+
+
+class TransitionLearner:
+    """Counts agent -> next-agent transitions online, per session lineage.
+
+    Invariants: ``_counts[i, j] / _weight`` is the (decayed) number of observed i -> j
+    transitions and ``_entry[j] / _weight`` the number of sessions that started at j;
+    every agent index in ``_sessions`` names a live agent; ``_sessions`` is ordered by
+    last activity, least recent first.
+    """
+
+    def __init__(self, config: LearnerConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or LearnerConfig()
+        self._clock = clock
+        self._decay = 1.0 if self.config.half_life is None else 2.0 ** (-1.0 / self.config.half_life)
+        self._index: dict[str, int] = {}
+        self._names: list[str] = []  # index -> agent; slots are recycled, never left empty
+        capacity = min(8, self.config.max_agents)
+        self._counts = np.zeros((capacity, capacity))
+        self._entry = np.zeros(capacity)
+        self._agent_seen = np.zeros(capacity, dtype=np.int64)  # dispatch number of last sighting
+        self._best: list[int] = []  # per row, the column of its largest count (-1: empty row)
+        self._weight = 1.0
+        self._sessions: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._dispatches = 0
+        self._predictions = 0
+        self._correct = 0
+        self._recent: deque[bool] = deque(maxlen=self.config.accuracy_window)
+        self.version = 0  # bumped on every change that alters the transition model
+
+    # -- observing -----------------------------------------------------------------
+
+    def observe(
+        self,
+        agent: str,
+        session: str | None = None,
+        parent: str | None = None,
+        *,
+        warmup: bool = False,
+        now: float | None = None,
+    ) -> Observation | None:
+        """Learn one dispatch of ``agent``.
+
+        ``parent`` is the agent that ran before in this session: ``""`` marks the first
+        dispatch of a session, ``None`` defers to the session's last observed agent.
+        Warm-up requests teach nothing and return None.
+        """
+        if warmup:
+            return None
+        now = self._clock() if now is None else now
+        self._expire_sessions(now)
+        if parent is None and session is not None and session in self._sessions:
+            previous: str | None = self._names[self._sessions[session][0]]
+        else:
+            previous = parent or None
+        previous_index = None if previous is None else self._intern(previous)
+        if previous_index is not None:
+            self._agent_seen[previous_index] = self._dispatches + 1  # not the stalest while interning agent
+        index = self._intern(agent)
+        if previous_index is not None and self._names[previous_index] != previous:
+            previous_index = None  # interning the agent recycled the parent's slot: no lineage left
+
+        self._dispatches += 1
+        self._agent_seen[index] = self._dispatches
+        predicted = None
+        if previous_index is not None:
+            best = self._best[previous_index]
+            predicted = None if best < 0 else self._names[best]
+            hit = predicted == agent
+            self._predictions += 1
+            self._correct += hit
+            self._recent.append(hit)
+        self._age()
+        if previous_index is None:
+            self._entry[index] += self._weight
+        else:
+            row = self._counts[previous_index]
+            row[index] += self._weight
+            best = self._best[previous_index]
+            if best < 0 or row[index] > row[best]:
+                self._best[previous_index] = index
+        if session is not None:
+            self._sessions[session] = (index, now)
+            self._sessions.move_to_end(session)
+            if len(self._sessions) > self.config.max_sessions:
+                self._sessions.popitem(last=False)
+        self.version += 1
+        return Observation(agent, session, None if previous_index is None else previous, predicted)
+
+    def end_session(self, session: str) -> None:
+        """Forget a session's lineage (it ended or was cancelled)."""
+        if self._sessions.pop(session, None) is not None:
+            self.version += 1
+
+    def _age(self) -> None:
+        if self._decay == 1.0:
+            return
+        self._weight /= self._decay
+        if self._weight > _RESCALE_AT:
+            self._counts /= self._weight
+            self._entry /= self._weight
+            self._weight = 1.0
+
+    def _expire_sessions(self, now: float) -> None:
+        deadline = now - self.config.session_ttl
+        while self._sessions:
+            session, (_, seen) = next(iter(self._sessions.items()))
+            if seen >= deadline:
+                break
+            del self._sessions[session]
+            self.version += 1
+
+    def _intern(self, agent: str) -> int:
+        index = self._index.get(agent)
+        if index is not None:
+            return index
+        if len(self._names) < self.config.max_agents:
+            if len(self._names) == self._counts.shape[0]:
+                self._grow()
+            index = len(self._names)
+            self._names.append(agent)
+            self._best.append(-1)
+        else:
+            index = self._evict_agent()
+            self._names[index] = agent
+        self._index[agent] = index
+        return index
+
+    def _grow(self) -> None:
+        old = self._counts.shape[0]
+        new = min(old * 2, self.config.max_agents)
+        counts = np.zeros((new, new))
+        counts[:old, :old] = self._counts
+        self._counts = counts
+        self._entry = np.concatenate([self._entry, np.zeros(new - old)])
+        self._agent_seen = np.concatenate([self._agent_seen, np.zeros(new - old, dtype=np.int64)])
+
+    def _evict_agent(self) -> int:
+        """Drop the agent seen least recently and return its cleared slot."""
+        index = int(np.argmin(self._agent_seen[: len(self._names)]))
+        del self._index[self._names[index]]
+        self._counts[index, :] = 0.0
+        self._counts[:, index] = 0.0
+        self._entry[index] = 0.0
+        for row, best in enumerate(self._best):
+            if best == index or row == index:
+                self._recompute_best(row)
+        for session in [s for s, (i, _) in self._sessions.items() if i == index]:
+            del self._sessions[session]
+        return index
+
+    def _recompute_best(self, row: int) -> None:
+        counts = self._counts[row, : len(self._names)]
+        best = int(np.argmax(counts)) if counts.size else -1
+        self._best[row] = best if best >= 0 and counts[best] > 0 else -1
+
+    # -- reading -------------------------------------------------------------------
+
+    @property
+    def agents(self) -> list[str]:
+        """Known agents, in index order (the order of matrix rows and columns)."""
+        return list(self._names)
+
+    def counts(self) -> np.ndarray:
+        """Decayed transition counts among ``agents`` (row: from, column: to)."""
+        n = len(self._names)
+        return self._counts[:n, :n] / self._weight
+
+    def entry_counts(self) -> np.ndarray:
+        """Decayed counts of sessions starting at each of ``agents``."""
+        return self._entry[: len(self._names)] / self._weight
+
+    def transition_matrix(self) -> np.ndarray:
+        """P[i, j] = (C_ij + eps) / sum_k (C_ik + eps), rows and columns in ``agents`` order."""
+        counts = self.counts()
+        eps = self.config.epsilon
+        n = counts.shape[0]
+        if n == 0:
+            return counts
+        return (counts + eps) / (counts.sum(axis=1, keepdims=True) + n * eps)
+
+    def entry_distribution(self) -> np.ndarray:
+        """Distribution of the first agent of a new session, smoothed like the rows of P."""
+        entry = self.entry_counts()
+        n = entry.shape[0]
+        if n == 0:
+            return entry
+        eps = self.config.epsilon
+        return (entry + eps) / (entry.sum() + n * eps)
+
+    def predictability(self) -> float:
+        """R = 1 - H(A_{t+1} | A_t) / H(A_{t+1}) from the observed (unsmoothed) counts."""
+        counts = self.counts()
+        total = counts.sum()
+        if total <= 0:
+            return 0.0
+        h_next = _entropy(counts.sum(axis=0) / total)
+        if h_next <= 1e-12:
+            return 1.0
+        # H(next | current) = -sum_ij C_ij/N log2(C_ij / C_i.)
+        rows = counts.sum(axis=1, keepdims=True)
+        ratio = np.divide(counts, rows, out=np.ones_like(counts), where=counts > 0)
+        h_cond = float(-(counts * np.log2(ratio)).sum() / total)
+        return float(min(1.0, max(0.0, 1.0 - h_cond / h_next)))
+
+    def session_agents(self) -> dict[str, str]:
+        """The current (last observed) agent of every live session."""
+        return {session: self._names[i] for session, (i, _) in self._sessions.items()}
+
+    def current_agent(self, session: str) -> str | None:
+        entry = self._sessions.get(session)
+        return None if entry is None else self._names[entry[0]]
+
+    @property
+    def dispatches(self) -> int:
+        return self._dispatches
+
+    @property
+    def accuracy(self) -> float | None:
+        """Online top-1 accuracy over all predictions (predict first, then learn)."""
+        return self._correct / self._predictions if self._predictions else None
+
+    @property
+    def recent_accuracy(self) -> float | None:
+        """Online top-1 accuracy over the last ``accuracy_window`` predictions."""
+        return sum(self._recent) / len(self._recent) if self._recent else None
+
+    def state_bytes(self) -> int:
+        """Bytes of learned state: the count arrays plus the agent and session tables."""
+        live = len(self.agents)
+        arrays = (live * live + 2 * live) * 8
+        names = sum(len(name) for name in self.agents) + 8 * live
+        sessions = sum(len(s) + 16 for s in self._sessions)
+        return arrays + names + sessions
+
+    # -- persistence (see _snapshot.py) ---------------------------------------------
+
+    def export_state(self) -> dict[str, object]:
+        return {
+            "agents": self.agents,
+            "counts": self.counts().tolist(),
+            "entry": self.entry_counts().tolist(),
+            "dispatches": self._dispatches,
+            "predictions": self._predictions,
+            "correct": self._correct,
+        }
+
+    def import_state(self, state: dict[str, object]) -> None:
+        """Replace the learned counts (sessions are transient and start empty)."""
+        agents = state["agents"]
+        counts = np.asarray(state["counts"], dtype=float)
+        entry = np.asarray(state["entry"], dtype=float)
+        if not isinstance(agents, list) or len(set(agents)) != len(agents):
+            raise ValueError("agents must be a list of distinct names")
+        n = len(agents)
+        if n > self.config.max_agents:
+            raise ValueError(f"{n} agents exceed max_agents={self.config.max_agents}")
+        if counts.shape != (n, n) or entry.shape != (n,):
+            raise ValueError("counts must be n x n and entry of length n")
+        if not (np.isfinite(counts).all() and np.isfinite(entry).all()) or (counts < 0).any() or (entry < 0).any():
+            raise ValueError("counts must be finite and non-negative")
+        fresh = TransitionLearner(self.config, clock=self._clock)
+        for name in agents:
+            fresh._intern(name)
+        fresh._counts[:n, :n] = counts
+        fresh._entry[:n] = entry
+        for row in range(n):
+            fresh._recompute_best(row)
+        fresh._dispatches = int(state.get("dispatches", 0))  # type: ignore[call-overload]
+        fresh._predictions = int(state.get("predictions", 0))  # type: ignore[call-overload]
+        fresh._correct = int(state.get("correct", 0))  # type: ignore[call-overload]
+        version = self.version + 1
+        self.__dict__.update(fresh.__dict__)
+        self.version = version
+
+
+def _entropy(p: np.ndarray) -> float:
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum()) if p.size else 0.0
+
+
+def transition_entropy_ratio(matrix: np.ndarray, stationary: np.ndarray) -> float:
+    """R of a known chain: 1 - H(next | current) / H(next) under distribution ``stationary``."""
+    h_cond = float(sum(stationary[i] * _entropy(matrix[i]) for i in range(len(stationary))))
+    h_next = _entropy(stationary @ matrix)
+    return 1.0 if h_next <= 1e-12 else 1.0 - h_cond / h_next
+

@@ -1,0 +1,90 @@
+"""Versioned JSON snapshots of learned state, written atomically."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._facts import GraphFacts
+from ._learner import LearnerConfig, TransitionLearner
+
+__all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "SnapshotError", "load_snapshot", "restore_or_fresh", "save_snapshot"]
+
+SNAPSHOT_FORMAT = "agentkv.learned-state"
+SNAPSHOT_VERSION = 1
+
+logger = logging.getLogger("agentkv.graph")
+
+
+class SnapshotError(ValueError):
+    """A snapshot that is corrupt, of another format, or of an unsupported version."""
+
+
+def save_snapshot(path: str | os.PathLike[str], learner: TransitionLearner, facts: GraphFacts | None = None) -> None:
+    """Write learner counts (and declared facts) to ``path`` atomically (temp file + rename)."""
+    document: dict[str, Any] = {
+        "format": SNAPSHOT_FORMAT,
+        "version": SNAPSHOT_VERSION,
+        "learner": learner.export_state(),
+        "facts": None if facts is None else facts.export(),
+    }
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, separators=(",", ":"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_snapshot(
+    path: str | os.PathLike[str], config: LearnerConfig | None = None
+) -> tuple[TransitionLearner, GraphFacts]:
+    """Read a snapshot written by save_snapshot; raise SnapshotError with the reason otherwise."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SnapshotError(f"cannot read snapshot {path}: {exc}") from exc
+    if not isinstance(document, dict) or document.get("format") != SNAPSHOT_FORMAT:
+        raise SnapshotError(f"{path} is not an agentkv snapshot (format {SNAPSHOT_FORMAT!r} expected)")
+    if document.get("version") != SNAPSHOT_VERSION:
+        raise SnapshotError(
+            f"{path} has snapshot version {document.get('version')!r}; this agentkv reads version {SNAPSHOT_VERSION}"
+        )
+    learner = TransitionLearner(config)
+    facts = GraphFacts()
+    try:
+        learner.import_state(document["learner"])
+        if document.get("facts"):
+            recorded = document["facts"]
+            facts.declare_graph(
+                recorded["nodes"],
+                [tuple(e) for e in recorded["edges"]],
+                [tuple(e) for e in recorded["conditional_edges"]],
+                recorded["entry"],
+            )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"{path} is corrupt: {exc!r}") from exc
+    return learner, facts
+
+
+def restore_or_fresh(
+    path: str | os.PathLike[str], config: LearnerConfig | None = None
+) -> tuple[TransitionLearner, GraphFacts]:
+    """Restore from ``path`` if it exists; on any SnapshotError log why and start fresh."""
+    if not Path(path).exists():
+        return TransitionLearner(config), GraphFacts()
+    try:
+        return load_snapshot(path, config)
+    except SnapshotError as exc:
+        logger.warning("agentkv: refusing snapshot, starting with fresh learned state: %s", exc)
+        return TransitionLearner(config), GraphFacts()

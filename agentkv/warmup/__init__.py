@@ -1,0 +1,1 @@
+"""Background anchor warm-up coordinator."""

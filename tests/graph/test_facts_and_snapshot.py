@@ -1,0 +1,126 @@
+"""GraphFacts events and learned-state snapshots."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from agentkv.graph import (
+    END,
+    START,
+    GraphFacts,
+    LearnerConfig,
+    SnapshotError,
+    TransitionLearner,
+    load_snapshot,
+    restore_or_fresh,
+    save_snapshot,
+)
+from agentkv.protocol import validate_events
+
+
+def test_graph_facts_from_langgraph_style_declaration():
+    facts = GraphFacts()
+    facts.declare_graph(
+        [START, "supervisor", "coder", END],
+        edges=[(START, "supervisor"), ("coder", "supervisor")],
+        conditional_edges=[("supervisor", "coder"), ("supervisor", END)],
+    )
+    assert set(facts.graph.nodes) == {"supervisor", "coder"}
+    assert facts.entry == {"supervisor"}
+    assert facts.successors("supervisor") == {"coder"}
+    assert facts.successors("unknown") is None
+    mask = facts.transition_mask(["supervisor", "coder", "newcomer"])
+    assert mask.tolist() == [[False, True, True], [True, False, True], [True, True, True]]
+    assert facts.entry_mask(["supervisor", "coder", "newcomer"]).tolist() == [True, False, True]
+
+
+def test_events_are_idempotent_and_lifecycle_is_tracked():
+    facts = GraphFacts()
+    events = validate_events(
+        {
+            "version": 1,
+            "events": [
+                {"type": "graph", "id": "g1", "nodes": ["a", "b"], "edges": [["a", "b"]]},
+                {"type": "session_start", "id": "e1", "session": "s1"},
+                {"type": "cancel", "id": "e2", "session": "s1"},
+            ],
+        }
+    )
+    assert [facts.apply(e) for e in events] == [True, True, True]
+    version = facts.version
+    assert [facts.apply(e) for e in events] == [False, False, False]
+    assert facts.version == version
+    assert facts.is_ended("s1") and facts.ended["s1"] == "cancel"
+    facts.start_session("s1")  # a session id reused later is live again
+    assert not facts.is_ended("s1")
+
+
+def test_ended_sessions_are_bounded():
+    facts = GraphFacts(max_ended=2)
+    for s in ("s1", "s2", "s3"):
+        facts.end_session(s)
+    assert list(facts.ended) == ["s2", "s3"]
+
+
+def _trained() -> tuple[TransitionLearner, GraphFacts]:
+    learner = TransitionLearner()
+    for agent in ["a", "b", "c"] * 5:
+        learner.observe(agent, session="s")
+    facts = GraphFacts()
+    facts.declare_graph(["a", "b", "c"], edges=[("a", "b")], conditional_edges=[("b", "c")], entry=["a"])
+    return learner, facts
+
+
+def test_snapshot_round_trip(tmp_path):
+    learner, facts = _trained()
+    path = tmp_path / "state" / "learned.json"
+    save_snapshot(path, learner, facts)
+    restored, restored_facts = load_snapshot(path)
+    assert restored.agents == learner.agents
+    np.testing.assert_allclose(restored.counts(), learner.counts())
+    np.testing.assert_allclose(restored.entry_counts(), learner.entry_counts())
+    assert restored.accuracy == learner.accuracy
+    assert restored_facts.export() == facts.export()
+    assert [p.name for p in path.parent.iterdir()] == ["learned.json"]  # no temp files left
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ("{not json", "cannot read"),
+        ('{"format": "something-else", "version": 1}', "not an agentkv snapshot"),
+        ('{"format": "agentkv.learned-state", "version": 99}', "version 99"),
+        ('{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": ["a"]}}', "corrupt"),
+        (
+            '{"format": "agentkv.learned-state", "version": 1, "learner": '
+            '{"agents": ["a", "b"], "counts": [[0, -1], [0, 0]], "entry": [0, 0]}}',
+            "non-negative",
+        ),
+    ],
+)
+def test_bad_snapshots_are_refused_with_a_reason(tmp_path, content, reason):
+    path = tmp_path / "learned.json"
+    path.write_text(content)
+    with pytest.raises(SnapshotError, match=reason):
+        load_snapshot(path)
+
+
+def test_restore_or_fresh_starts_fresh_and_says_why(tmp_path, caplog):
+    path = tmp_path / "learned.json"
+    path.write_text(json.dumps({"format": "agentkv.learned-state", "version": 0}))
+    with caplog.at_level(logging.WARNING, logger="agentkv.graph"):
+        learner, facts = restore_or_fresh(path, LearnerConfig(max_agents=8))
+    assert learner.agents == [] and not facts.has_graph
+    assert "refusing snapshot" in caplog.text and "version 0" in caplog.text
+    learner, _ = restore_or_fresh(tmp_path / "missing.json")
+    assert learner.agents == []
+
+
+def test_snapshot_larger_than_max_agents_is_refused(tmp_path):
+    learner, facts = _trained()
+    path = tmp_path / "learned.json"
+    save_snapshot(path, learner, facts)
+    with pytest.raises(SnapshotError, match="max_agents"):
+        load_snapshot(path, LearnerConfig(max_agents=2))
