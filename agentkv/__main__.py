@@ -1,4 +1,4 @@
-"""Command line: ``agentkv demo``, ``agentkv bench micro``."""
+"""Command line: ``agentkv demo``, ``agentkv serve MODEL [vllm args]``, ``agentkv bench micro``."""
 
 from __future__ import annotations
 
@@ -43,10 +43,19 @@ def _bench_micro(_: argparse.Namespace) -> None:
     micro.main()
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from agentkv import serve
+
+    serve.main(args.vllm_args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="run the main demo").set_defaults(run=_demo)
+    serve = commands.add_parser("serve", help="start vLLM with the agentkv extension: agentkv serve MODEL [vllm args]")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="MODEL and any vLLM arguments")
+    serve.set_defaults(run=_serve)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench.add_parser("micro", help="learning-core microbenchmark").set_defaults(run=_bench_micro)
     args = parser.parse_args(argv)

@@ -56,7 +56,8 @@ class TransitionLearner:
     """Counts agent -> next-agent transitions online, per session lineage.
 
     Invariants: ``_counts[i, j] / _weight`` is the (decayed) number of observed i -> j
-    transitions and ``_entry[j] / _weight`` the number of sessions that started at j;
+    transitions, ``_entry[j] / _weight`` the number of sessions that started at j and
+    ``_ends[i] / _weight`` the number that ended (or went idle) after i;
     every agent index in ``_sessions`` names a live agent; ``_sessions`` is ordered by
     last activity, least recent first.
     """
@@ -70,6 +71,7 @@ class TransitionLearner:
         capacity = min(8, self.config.max_agents)
         self._counts = np.zeros((capacity, capacity))
         self._entry = np.zeros(capacity)
+        self._ends = np.zeros(capacity)
         self._agent_seen = np.zeros(capacity, dtype=np.int64)  # dispatch number of last sighting
         self._best: list[int] = []  # per row, the column of its largest count (-1: empty row)
         self._weight = 1.0
@@ -140,8 +142,10 @@ class TransitionLearner:
         return Observation(agent, session, None if previous_index is None else previous, predicted)
 
     def end_session(self, session: str) -> None:
-        """Forget a session's lineage (it ended or was cancelled)."""
-        if self._sessions.pop(session, None) is not None:
+        """The session ended (or was cancelled): learn that its last agent ended it."""
+        entry = self._sessions.pop(session, None)
+        if entry is not None:
+            self._ends[entry[0]] += self._weight
             self.version += 1
 
     def _age(self) -> None:
@@ -151,6 +155,7 @@ class TransitionLearner:
         if self._weight > _RESCALE_AT:
             self._counts /= self._weight
             self._entry /= self._weight
+            self._ends /= self._weight
             self._weight = 1.0
 
     def _expire_sessions(self, now: float) -> None:
@@ -159,8 +164,7 @@ class TransitionLearner:
             session, (_, seen) = next(iter(self._sessions.items()))
             if seen >= deadline:
                 break
-            del self._sessions[session]
-            self.version += 1
+            self.end_session(session)  # idle past the TTL: the session is over
 
     def _intern(self, agent: str) -> int:
         index = self._index.get(agent)
@@ -185,6 +189,7 @@ class TransitionLearner:
         counts[:old, :old] = self._counts
         self._counts = counts
         self._entry = np.concatenate([self._entry, np.zeros(new - old)])
+        self._ends = np.concatenate([self._ends, np.zeros(new - old)])
         self._agent_seen = np.concatenate([self._agent_seen, np.zeros(new - old, dtype=np.int64)])
 
     def _evict_agent(self) -> int:
@@ -194,6 +199,7 @@ class TransitionLearner:
         self._counts[index, :] = 0.0
         self._counts[:, index] = 0.0
         self._entry[index] = 0.0
+        self._ends[index] = 0.0
         for row, best in enumerate(self._best):
             if best == index or row == index:
                 self._recompute_best(row)
@@ -222,14 +228,23 @@ class TransitionLearner:
         """Decayed counts of sessions starting at each of ``agents``."""
         return self._entry[: len(self._names)] / self._weight
 
+    def end_counts(self) -> np.ndarray:
+        """Decayed counts of sessions that ended right after each of ``agents``."""
+        return self._ends[: len(self._names)] / self._weight
+
     def transition_matrix(self) -> np.ndarray:
-        """P[i, j] = (C_ij + eps) / sum_k (C_ik + eps), rows and columns in ``agents`` order."""
+        """P[i, j] = (C_ij + eps) / (sum_k (C_ik + eps) + E_i), in ``agents`` order.
+
+        E_i counts sessions that ended after agent i, so a row sums to less than 1 by
+        the probability that the session ends there (without ends: the paper's formula).
+        """
         counts = self.counts()
         eps = self.config.epsilon
         n = counts.shape[0]
         if n == 0:
             return counts
-        return (counts + eps) / (counts.sum(axis=1, keepdims=True) + n * eps)
+        ends = self.end_counts()[:, None]
+        return (counts + eps) / (counts.sum(axis=1, keepdims=True) + ends + n * eps)
 
     def entry_distribution(self) -> np.ndarray:
         """Distribution of the first agent of a new session, smoothed like the rows of P."""
@@ -292,6 +307,7 @@ class TransitionLearner:
             "agents": self.agents,
             "counts": self.counts().tolist(),
             "entry": self.entry_counts().tolist(),
+            "ends": self.end_counts().tolist(),
             "dispatches": self._dispatches,
             "predictions": self._predictions,
             "correct": self._correct,
@@ -302,20 +318,23 @@ class TransitionLearner:
         agents = state["agents"]
         counts = np.asarray(state["counts"], dtype=float)
         entry = np.asarray(state["entry"], dtype=float)
+        ends = np.asarray(state["ends"], dtype=float)
         if not isinstance(agents, list) or len(set(agents)) != len(agents):
             raise ValueError("agents must be a list of distinct names")
         n = len(agents)
         if n > self.config.max_agents:
             raise ValueError(f"{n} agents exceed max_agents={self.config.max_agents}")
-        if counts.shape != (n, n) or entry.shape != (n,):
-            raise ValueError("counts must be n x n and entry of length n")
-        if not (np.isfinite(counts).all() and np.isfinite(entry).all()) or (counts < 0).any() or (entry < 0).any():
+        if counts.shape != (n, n) or entry.shape != (n,) or ends.shape != (n,):
+            raise ValueError("counts must be n x n, entry and ends of length n")
+        arrays = (counts, entry, ends)
+        if not all(np.isfinite(a).all() and (a >= 0).all() for a in arrays):
             raise ValueError("counts must be finite and non-negative")
         fresh = TransitionLearner(self.config, clock=self._clock)
         for name in agents:
             fresh._intern(name)
         fresh._counts[:n, :n] = counts
         fresh._entry[:n] = entry
+        fresh._ends[:n] = ends
         for row in range(n):
             fresh._recompute_best(row)
         fresh._dispatches = int(state.get("dispatches", 0))  # type: ignore[call-overload]

@@ -95,7 +95,7 @@ def test_snapshot_round_trip(tmp_path):
         ('{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": ["a"]}}', "corrupt"),
         (
             '{"format": "agentkv.learned-state", "version": 1, "learner": '
-            '{"agents": ["a", "b"], "counts": [[0, -1], [0, 0]], "entry": [0, 0]}}',
+            '{"agents": ["a", "b"], "counts": [[0, -1], [0, 0]], "entry": [0, 0], "ends": [0, 0]}}',
             "non-negative",
         ),
     ],

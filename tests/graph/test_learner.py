@@ -113,6 +113,20 @@ def test_agent_table_is_bounded_and_drops_the_least_recently_seen():
     assert learner.transition_matrix().shape == (4, 4)
 
 
+def test_session_ends_make_rows_substochastic():
+    learner = TransitionLearner(LearnerConfig(epsilon=0.5))
+    for s in ("s1", "s2", "s3"):
+        learner.observe("a", session=s)
+        learner.observe("b", session=s)
+        learner.end_session(s)
+    learner.end_session("never-seen")
+    assert learner.end_counts().tolist() == [0.0, 3.0]
+    matrix = learner.transition_matrix()
+    assert matrix[0].tolist() == pytest.approx([0.5 / 4, 3.5 / 4])
+    assert matrix[1].tolist() == pytest.approx([0.5 / 4, 0.5 / 4])  # (0 + eps) / (0 + 2 eps + 3 ends)
+    assert learner.session_agents() == {}
+
+
 def test_sessions_expire_when_idle_and_are_capped():
     now = [0.0]
     learner = TransitionLearner(LearnerConfig(session_ttl=10, max_sessions=3), clock=lambda: now[0])
@@ -120,6 +134,7 @@ def test_sessions_expire_when_idle_and_are_capped():
     now[0] = 11.0
     learner.observe("a", session="new")
     assert learner.session_agents() == {"new": "a"}
+    assert learner.end_counts().tolist() == [1.0]  # idle past the TTL counts as an end
     for s in ("s1", "s2", "s3"):
         learner.observe("a", session=s)
     assert list(learner.session_agents()) == ["s1", "s2", "s3"]

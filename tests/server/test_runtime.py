@@ -1,0 +1,178 @@
+"""AgentKVRuntime on real vLLM KVCacheManager objects: the eviction the server performs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jsonschema
+import pytest
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+from agentkv.graph import SurvivalConfig
+from agentkv.protocol import STATS_SCHEMA, AgentTag
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+
+BS = 16
+init_none_hash(sha256)
+HASHER = get_request_block_hasher(BS, sha256)
+AGENTS = ("supervisor", "coder", "reviewer", "writer")
+ANCHOR_BLOCKS = 4
+HISTORY_BLOCKS = 12
+_ids = itertools.count()
+
+
+def manager(num_blocks: int) -> KVCacheManager:
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    return KVCacheManager(config, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS)
+
+
+def anchor(agent: str) -> list[int]:
+    base = 10_000 * (AGENTS.index(agent) + 1)
+    return list(range(base, base + ANCHOR_BLOCKS * BS))
+
+
+def request(tokens: list[int], tag: AgentTag | None) -> Request:
+    params = SamplingParams(max_tokens=1, extra_args=None if tag is None else tag.to_xargs())
+    session = None if tag is None else tag.session
+    return Request(f"r{next(_ids)}", tokens, params, None, block_hasher=HASHER, session_id=session)
+
+
+def run(kv: KVCacheManager, runtime: AgentKVRuntime | None, req: Request) -> int:
+    """Admit, prefill and finish one request the way the scheduler does; return hit tokens."""
+    if runtime is not None:
+        runtime.on_add_request(req)
+        runtime.refresh()
+    computed, hit, _ = kv.get_computed_blocks(req)
+    kv.record_prefix_cache_stats(req, hit)
+    assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
+    req.num_computed_tokens = req.num_tokens
+    kv.free(req)
+    return hit
+
+
+def pipeline_sessions(n_sessions: int, *, tagged: bool = True):
+    """Sessions supervisor -> coder -> reviewer -> writer; each prompt = anchor + unique history."""
+    for s in range(n_sessions):
+        session = f"s{s}"
+        for step, agent in enumerate(AGENTS):
+            start = 100_000 + (s * 4 + step) * 1000
+            history = list(range(start, start + HISTORY_BLOCKS * BS))
+            parent = "" if step == 0 else AGENTS[step - 1]
+            tag = AgentTag(agent, session, parent, step) if tagged else None
+            yield session, agent, anchor(agent) + history + [7], tag
+
+
+def replay(kv: KVCacheManager, runtime: AgentKVRuntime | None, n_sessions: int, *, tagged: bool = True):
+    hits = []
+    for session, agent, tokens, tag in pipeline_sessions(n_sessions, tagged=tagged):
+        hits.append((session, agent, run(kv, runtime, request(tokens, tag))))
+        if runtime is not None and tagged and agent == AGENTS[-1]:
+            assert runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": session}]}) == {
+                "accepted": 1, "duplicates": 0,
+            }
+    return hits
+
+
+def free_order(kv: KVCacheManager) -> list[int]:
+    return [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+# 4 anchors x 4 blocks + one request's 13 new blocks fit; the cycle's 4 x 17 blocks do not.
+NUM_BLOCKS = 4 * ANCHOR_BLOCKS + HISTORY_BLOCKS + 1 + 8
+
+
+def test_survival_keeps_every_anchor_where_lru_cycles_them_out():
+    vanilla = replay(manager(NUM_BLOCKS), None, 6)
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(horizon=4)))
+    runtime.install(kv)
+    scored = replay(kv, runtime, 6)
+    anchor_tokens = ANCHOR_BLOCKS * BS
+    # from the third session on (anchors are learned from two sessions), every call hits its anchor
+    assert [hit for session, _, hit in scored if session not in ("s0", "s1")] == [anchor_tokens] * 16
+    assert sum(hit for *_, hit in vanilla) == 0  # the cyclic working set is larger than the cache
+    stats = runtime.stats()
+    jsonschema.validate(stats, STATS_SCHEMA)
+    assert stats["policy"] == "survival"
+    assert stats["predictability"] == pytest.approx(1.0)
+    assert stats["agents"]["coder"]["anchor_length_blocks"] == ANCHOR_BLOCKS
+    assert stats["agents"]["coder"]["hits"] == 4 * anchor_tokens
+    assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["retired"]
+
+
+@pytest.mark.parametrize("mode", ["disabled", "untagged"])
+def test_lru_equivalence_when_disabled_or_without_metadata(mode):
+    vanilla_kv = manager(NUM_BLOCKS)
+    vanilla = replay(vanilla_kv, None, 5, tagged=mode == "disabled")
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(enabled=mode != "disabled"))
+    runtime.install(kv)
+    assert replay(kv, runtime, 5, tagged=mode == "disabled") == vanilla
+    assert free_order(kv) == free_order(vanilla_kv)
+    assert runtime.policy == "lru"
+
+
+def test_unpredictable_workload_falls_back_to_lru():
+    kv, vanilla_kv = manager(NUM_BLOCKS), manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(r_min=1.0)))  # only a perfect pipeline qualifies
+    runtime.install(kv)
+    for index, (_, _, tokens, tag) in enumerate(pipeline_sessions(4)):
+        if index % 8 in (1, 2):  # odd sessions swap coder and reviewer: R < 1
+            tag = AgentTag(AGENTS[3 - index % 8], tag.session, None, tag.step)
+        assert run(kv, runtime, request(tokens, tag)) == run(vanilla_kv, None, request(tokens, None))
+    assert free_order(kv) == free_order(vanilla_kv)
+    assert runtime.table.predictability < 1.0
+    assert runtime.policy == "lru"
+
+
+def test_ended_session_history_is_evicted_before_live_history():
+    kv = manager(16)
+    runtime = AgentKVRuntime()
+    runtime.install(kv)
+    cached = {}
+    for number, session in enumerate(("oldest", "middle", "newest")):
+        req = request(list(range(number * 1000, number * 1000 + 2 * BS + 1)), AgentTag("a", session, ""))
+        runtime.on_add_request(req)
+        computed, hit, _ = kv.get_computed_blocks(req)
+        kv.allocate_slots(req, req.num_tokens - hit, hit, computed)
+        cached[session] = list(kv.get_block_ids(req.request_id)[0][:2])  # two full blocks; the third is partial
+        req.num_computed_tokens = req.num_tokens
+        kv.free(req)
+    runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": "newest"}]})
+    runtime.refresh()
+    queue = kv.block_pool.free_block_queue
+    hashless = sum(b.block_hash is None for b in queue.get_all_free_blocks())
+    victims = [b.block_id for b in kv.block_pool.get_new_blocks(hashless + 2)][hashless:]
+    # LRU would take "oldest"; the ended session's history goes first, child before parent
+    assert victims == cached["newest"][::-1]
+    assert math.isinf(runtime._score_of(("history", "newest", frozenset({"a"}))))
+    assert runtime.stats()["evictions"]["retired"] == 2
+
+
+def test_events_are_validated_and_idempotent():
+    runtime = AgentKVRuntime()
+    assert runtime.apply_events({"version": 1, "events": [{"type": "explode"}]})["status"] == 400
+    payload = {"version": 1, "events": [{"type": "graph", "id": "g", "nodes": ["a", "b"], "edges": [["a", "b"]]}]}
+    assert runtime.handle({"op": "events", "payload": payload}) == {"accepted": 1, "duplicates": 0}
+    assert runtime.handle({"op": "events", "payload": payload}) == {"accepted": 0, "duplicates": 1}
+    assert runtime.handle({"op": "nope"})["error"].startswith("unknown control op")
+    assert runtime.stats()["facts"]["edges"] == [["a", "b"]]
+
+
+def test_malformed_xargs_are_served_untagged_and_counted():
+    kv = manager(16)
+    runtime = AgentKVRuntime()
+    runtime.install(kv)
+    params = SamplingParams(max_tokens=1, extra_args={"agentkv_agent": "bad agent", "agentkv_step": -1})
+    req = Request("bad", list(range(40)), params, None, block_hasher=HASHER)
+    run(kv, runtime, req)
+    assert runtime.tagged_requests == 0
+    assert runtime.stats()["malformed_metadata"] == {"agentkv_agent": 1, "agentkv_step": 1}
