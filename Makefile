@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.agentkv-installed
-EXTRAS ?= dev,cpu-server
+EXTRAS ?= dev,cpu-server,langgraph,autogen
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint bench-micro clean

@@ -188,7 +188,7 @@ class AgentKVRuntime:
         self.anchors.observe(tag.agent, tag.session, request.block_hashes)
         if tag.session is not None and self.facts.is_ended(tag.session):
             self.facts.start_session(tag.session)  # a tagged request revives an ended session id
-        self.learner.observe(tag.agent, tag.session, tag.parent, warmup=tag.warmup)
+        self.learner.observe(tag.agent, tag.session, tag.parent, step=tag.step, warmup=tag.warmup)
 
     def refresh(self) -> None:
         """Recompute survival and re-score the queue's groups, only when something changed."""

@@ -4,7 +4,8 @@ A pure ASGI middleware that (1) turns the agentkv request headers into ``vllm_xa
 in the JSON body, so the tag reaches the EngineCore as ``sampling_params.extra_args``;
 (2) validates tags as docs/protocol.md says (lenient by default, 400 with
 ``AGENTKV_STRICT=1``); (3) serves ``GET /agentkv/v1/stats`` and
-``POST /agentkv/v1/events`` by asking the EngineCore over the control channel.
+``POST /agentkv/v1/events`` by asking the EngineCore over the control channel;
+(4) appends agentkv's counters to vLLM's Prometheus ``/metrics``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from agentkv.protocol import (
 )
 
 from ._control import ControlUnavailable, ask, control_endpoint
+from ._metrics import render_metrics
 
 __all__ = ["AgentKVMiddleware"]
 
@@ -60,6 +62,8 @@ class AgentKVMiddleware:
             await self._events(receive, send)
         elif path in _TAGGED_PATHS and method == "POST":
             await self._tagged(scope, receive, send)
+        elif path.rstrip("/") == "/metrics" and method == "GET":
+            await self._metrics(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
@@ -98,17 +102,51 @@ class AgentKVMiddleware:
             ]
         await self.app(scope, _replay(body, receive), send)
 
-    async def _stats(self, send: Send) -> None:
-        try:
-            stats = await ask(self.endpoint, {"op": "stats"})
-        except ControlUnavailable as exc:
-            await _error(send, 503, str(exc))
-            return
+    async def _fetch_stats(self) -> dict[str, Any]:
+        stats = await ask(self.endpoint, {"op": "stats"})
         merged = dict(stats.get("malformed_metadata", {}))
         for field, count in self.malformed.by_field.items():
             merged[field] = merged.get(field, 0) + count
         stats["malformed_metadata"] = merged
+        return stats
+
+    async def _stats(self, send: Send) -> None:
+        try:
+            stats = await self._fetch_stats()
+        except ControlUnavailable as exc:
+            await _error(send, 503, str(exc))
+            return
         await _json(send, 200, stats)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's exposition, then agentkv's families (nothing extra if the engine is mute)."""
+        try:
+            extra = render_metrics(await self._fetch_stats(), self.strict)
+        except ControlUnavailable:
+            extra = b""
+        scope = dict(scope)  # ask for an uncompressed body so it can be extended
+        scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def buffered(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            assert start is not None
+            body = b"".join(chunks) + (extra if start["status"] == 200 else b"")
+            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+
+        await self.app(scope, receive, buffered)
 
     async def _events(self, receive: Receive, send: Send) -> None:
         body = await _read_body(receive, limit=_MAX_EVENTS_BODY)

@@ -1,1 +1,49 @@
-"""Framework adapters (LangGraph, AutoGen, plain OpenAI SDK)."""
+"""Framework adapters (LangGraph, AutoGen, plain OpenAI SDK).
+
+The core (this package) needs only the openai SDK; ``agentkv.frameworks.langgraph`` and
+``agentkv.frameworks.autogen`` import their framework when imported.
+"""
+
+from ._context import (
+    UNSET,
+    Dispatch,
+    SessionTracker,
+    TaggedRequest,
+    agent,
+    current_tag,
+    install,
+    installed,
+    learner_listener,
+    on_dispatch,
+    on_dispatch_end,
+    on_request,
+    on_session_end,
+    sanitize_id,
+    stats,
+    tracker,
+    uninstall,
+    use_tag,
+)
+from ._events import EventSink
+
+__all__ = [
+    "UNSET",
+    "Dispatch",
+    "EventSink",
+    "SessionTracker",
+    "TaggedRequest",
+    "agent",
+    "current_tag",
+    "install",
+    "installed",
+    "learner_listener",
+    "on_dispatch",
+    "on_dispatch_end",
+    "on_request",
+    "on_session_end",
+    "sanitize_id",
+    "stats",
+    "tracker",
+    "uninstall",
+    "use_tag",
+]

@@ -75,7 +75,7 @@ class TransitionLearner:
         self._agent_seen = np.zeros(capacity, dtype=np.int64)  # dispatch number of last sighting
         self._best: list[int] = []  # per row, the column of its largest count (-1: empty row)
         self._weight = 1.0
-        self._sessions: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._sessions: OrderedDict[str, tuple[int, float, int | None]] = OrderedDict()  # index, seen, step
         self._dispatches = 0
         self._predictions = 0
         self._correct = 0
@@ -90,6 +90,7 @@ class TransitionLearner:
         session: str | None = None,
         parent: str | None = None,
         *,
+        step: int | None = None,
         warmup: bool = False,
         now: float | None = None,
     ) -> Observation | None:
@@ -97,12 +98,19 @@ class TransitionLearner:
 
         ``parent`` is the agent that ran before in this session: ``""`` marks the first
         dispatch of a session, ``None`` defers to the session's last observed agent.
-        Warm-up requests teach nothing and return None.
+        A request repeating the session's last (agent, step) is the same dispatch (an
+        agent's tool loop sends several) and, like a warm-up, teaches nothing: None.
         """
         if warmup:
             return None
         now = self._clock() if now is None else now
         self._expire_sessions(now)
+        if step is not None and session is not None and session in self._sessions:
+            last_index, _, last_step = self._sessions[session]
+            if last_step == step and self._names[last_index] == agent:
+                self._sessions[session] = (last_index, now, step)
+                self._sessions.move_to_end(session)
+                return None
         if parent is None and session is not None and session in self._sessions:
             previous: str | None = self._names[self._sessions[session][0]]
         else:
@@ -134,7 +142,7 @@ class TransitionLearner:
             if best < 0 or row[index] > row[best]:
                 self._best[previous_index] = index
         if session is not None:
-            self._sessions[session] = (index, now)
+            self._sessions[session] = (index, now, step)
             self._sessions.move_to_end(session)
             if len(self._sessions) > self.config.max_sessions:
                 self._sessions.popitem(last=False)
@@ -161,7 +169,7 @@ class TransitionLearner:
     def _expire_sessions(self, now: float) -> None:
         deadline = now - self.config.session_ttl
         while self._sessions:
-            session, (_, seen) = next(iter(self._sessions.items()))
+            session, (_, seen, _) = next(iter(self._sessions.items()))
             if seen >= deadline:
                 break
             self.end_session(session)  # idle past the TTL: the session is over
@@ -203,7 +211,7 @@ class TransitionLearner:
         for row, best in enumerate(self._best):
             if best == index or row == index:
                 self._recompute_best(row)
-        for session in [s for s, (i, _) in self._sessions.items() if i == index]:
+        for session in [s for s, (i, _, _) in self._sessions.items() if i == index]:
             del self._sessions[session]
         return index
 
@@ -272,7 +280,7 @@ class TransitionLearner:
 
     def session_agents(self) -> dict[str, str]:
         """The current (last observed) agent of every live session."""
-        return {session: self._names[i] for session, (i, _) in self._sessions.items()}
+        return {session: self._names[i] for session, (i, _, _) in self._sessions.items()}
 
     def current_agent(self, session: str) -> str | None:
         entry = self._sessions.get(session)

@@ -33,6 +33,16 @@ def test_explicit_parent_outranks_session_state_and_warmups_teach_nothing():
     assert learner.current_agent("s") == "d"
 
 
+def test_requests_of_one_dispatch_are_learned_once():
+    learner = TransitionLearner()
+    learner.observe("a", session="s", parent="", step=0)
+    for _ in range(3):  # a's tool loop: three requests, one dispatch
+        learner.observe("b", session="s", parent="a", step=1)
+    learner.observe("b", session="s", parent="b", step=2)  # b dispatched again: a real b -> b
+    assert _counts(learner) == {("a", "b"): 1, ("b", "b"): 1}
+    assert learner.dispatches == 3
+
+
 def test_transition_matrix_applies_epsilon_smoothing():
     learner = TransitionLearner(LearnerConfig(epsilon=0.5))
     for _ in range(3):

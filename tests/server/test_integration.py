@@ -93,3 +93,9 @@ def test_malformed_headers_are_served_untagged_and_counted(agentkv_server):
         bad_event = client.post(EVENTS_PATH, json={"version": 1, "events": [{"type": "boom"}]})
         assert bad_event.status_code == 400 and "invalid events payload" in bad_event.json()["error"]["message"]
         assert client.post(EVENTS_PATH, content=b"{nope").status_code == 400
+
+
+def test_metrics_carry_agentkv_counters_beside_vllms(agentkv_server):
+    text = httpx.get(agentkv_server.base_url + "/metrics", trust_env=False, headers={"Accept-Encoding": "gzip"}).text
+    assert "vllm:prefix_cache_queries_total" in text
+    assert "agentkv_evictions_total" in text and "agentkv_predictability" in text

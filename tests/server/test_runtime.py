@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import jsonschema
 import pytest
@@ -122,15 +123,16 @@ def test_lru_equivalence_when_disabled_or_without_metadata(mode):
 
 def test_unpredictable_workload_falls_back_to_lru():
     kv, vanilla_kv = manager(NUM_BLOCKS), manager(NUM_BLOCKS)
-    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(r_min=1.0)))  # only a perfect pipeline qualifies
+    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(r_min=0.5)))
     runtime.install(kv)
-    for index, (_, _, tokens, tag) in enumerate(pipeline_sessions(4)):
-        if index % 8 in (1, 2):  # odd sessions swap coder and reviewer: R < 1
-            tag = AgentTag(AGENTS[3 - index % 8], tag.session, None, tag.step)
+    rng = random.Random(0)
+    for _ in range(400):  # a history of random routing: R is near 0 from the start
+        runtime.learner.observe(rng.choice(AGENTS), parent=rng.choice(AGENTS))
+    for _, _, tokens, tag in pipeline_sessions(4):
         assert run(kv, runtime, request(tokens, tag)) == run(vanilla_kv, None, request(tokens, None))
+        assert runtime.policy == "lru"
     assert free_order(kv) == free_order(vanilla_kv)
-    assert runtime.table.predictability < 1.0
-    assert runtime.policy == "lru"
+    assert runtime.table.predictability < 0.5
 
 
 def test_ended_session_history_is_evicted_before_live_history():

@@ -1,0 +1,163 @@
+"""Fire-and-forget delivery of ``POST /agentkv/v1/events`` (graph facts, session lifecycle).
+
+A background thread drains a bounded queue and posts batches with httpx (2 s timeout). The user's
+code never waits on the server and never sees an error: failures are counted and logged once.
+Events carry an ``id``, so the server skips replays; a failed batch is dropped, not retried
+(graph facts are re-sent with every ``session_start``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from agentkv.protocol import EVENTS_PATH, PROTOCOL_VERSION, validate_events
+
+from ._context import _COUNTS, ERRORS
+
+__all__ = ["EventSink", "events_endpoint", "get_sink", "new_event_id", "session_event"]
+
+_MAX_BATCH: Final = 1000  # the schema's maxItems
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+def session_event(kind: str, session: str) -> dict[str, Any]:
+    return {"type": kind, "id": new_event_id(), "session": session}
+
+
+def events_endpoint(url: str) -> str:
+    """Accept a full events URL or a server base URL (``http://host:port`` or ``.../v1``)."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if path.endswith(EVENTS_PATH):
+        return url
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return urlunsplit((parts.scheme, parts.netloc, path + EVENTS_PATH, "", ""))
+
+
+class EventSink:
+    """Posts agentkv events from a daemon thread; ``post`` never blocks and never raises."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 2.0,
+        max_queue: int = 10_000,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = events_endpoint(url)
+        self.timeout = timeout
+        self.sent = 0
+        self.failed = 0
+        self.dropped = 0
+        self._transport = transport
+        self._queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue(maxsize=max_queue)
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def post(self, events: Iterable[Mapping[str, Any]]) -> None:
+        """Queue events for delivery (invalid ones are dropped and counted)."""
+        try:
+            batch = [dict(e) for e in events]
+            if not batch:
+                return
+            validate_events({"version": PROTOCOL_VERSION, "events": batch[:_MAX_BATCH]})
+            self._start()
+            with self._idle:
+                self._pending += 1
+            try:
+                self._queue.put_nowait(batch)
+            except queue.Full:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+                self.dropped += len(batch)
+                ERRORS.record("events queue", message="queue full, events dropped")
+        except Exception as exc:
+            self.dropped += 1
+            ERRORS.record("events post", exc)
+
+    def flush(self, timeout: float | None = 5.0) -> bool:
+        """Wait until every queued batch was attempted; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="agentkv-events", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=self.timeout, transport=self._transport, trust_env=False) as client:
+            while True:
+                first = self._queue.get()
+                if first is None:
+                    return
+                # coalesce whatever else is waiting into one POST (a slow server costs one timeout, not N)
+                batches, stop = [first], False
+                while sum(len(b) for b in batches) < _MAX_BATCH:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stop = True
+                        break
+                    batches.append(more)
+                events = [e for b in batches for e in b]
+                try:
+                    for start in range(0, len(events), _MAX_BATCH):
+                        chunk = events[start : start + _MAX_BATCH]
+                        response = client.post(self.url, json={"version": PROTOCOL_VERSION, "events": chunk})
+                        if response.status_code >= 400:
+                            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+                        self.sent += len(chunk)
+                        _COUNTS["events_sent"] += len(chunk)
+                except Exception as exc:
+                    self.failed += len(events)
+                    _COUNTS["events_failed"] += len(events)
+                    ERRORS.record(f"events POST to {self.url}", exc)
+                finally:
+                    with self._idle:
+                        self._pending -= len(batches)
+                        self._idle.notify_all()
+                if stop:
+                    return
+
+
+_SINKS: dict[str, EventSink] = {}
+_SINKS_LOCK = threading.Lock()
+
+
+def get_sink(url: str) -> EventSink:
+    """One shared sink (and thread) per events endpoint."""
+    endpoint = events_endpoint(url)
+    with _SINKS_LOCK:
+        sink = _SINKS.get(endpoint)
+        if sink is None or sink._closed:
+            sink = _SINKS[endpoint] = EventSink(endpoint)
+        return sink

@@ -1,0 +1,396 @@
+"""AutoGen AgentChat adapter: ``instrument(team)`` tags every model call with its agent and lineage.
+
+    team = SelectorGroupChat([planner, coder, critic], model_client=client)
+    agentkv.frameworks.autogen.instrument(team, events_url="http://127.0.0.1:8000")
+    await team.run(task="...")
+
+Seams (verified on autogen-agentchat 0.7.5, see the field notes): each participant's
+``_model_client`` and the team's ``_model_client`` (the selector's) are replaced, before the first
+run, by a proxy that runs ``create``/``create_stream`` under the right tag; each participant's
+``on_messages_stream`` is wrapped to mark a speaker turn (one dispatch per turn, parent = previous
+speaker); the team's ``run_stream`` (which ``run`` calls) is wrapped to open and close the session.
+``instrument`` mutates the team and returns it, so the team stays a real ``SelectorGroupChat``
+(usable as a participant, serializable with ``dump_component``).
+
+The selector's own model calls are tagged ``agent="selector"`` (``selector_name=``) with the last
+speaker as parent; they are not dispatches, so the lineage and :func:`~agentkv.on_dispatch` see
+speaker transitions only. With two participants and ``allow_repeated_speaker=False`` AutoGen skips
+the selector model after the first turn (one candidate left).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Final
+
+from autogen_core.models import ChatCompletionClient
+
+from agentkv.protocol import AgentTag
+
+from ._context import _COUNTS, _CURRENT, ERRORS, Dispatch, dispatch_ended, install, sanitize_id, tracker
+from ._events import EventSink, get_sink, session_event
+
+__all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
+
+_STATE_ATTR: Final = "_agentkv_instrumentation"
+
+
+class TaggedModelClient(ChatCompletionClient):
+    """A ``ChatCompletionClient`` that runs every call of ``inner`` under ``tag_factory()``."""
+
+    def __init__(self, inner: ChatCompletionClient, tag_factory: Callable[[], AgentTag | None]) -> None:
+        self._inner = inner
+        self._tag_factory = tag_factory
+
+    @property
+    def inner(self) -> ChatCompletionClient:
+        return self._inner
+
+    def _tag(self) -> AgentTag | None:
+        try:
+            return self._tag_factory()
+        except Exception as exc:
+            ERRORS.record("autogen tag", exc)
+            return None
+
+    async def create(self, messages: Sequence[Any], **kwargs: Any) -> Any:
+        token = _CURRENT.set(self._tag())
+        try:
+            return await self._inner.create(messages, **kwargs)
+        finally:
+            _reset(token)
+
+    def create_stream(self, messages: Sequence[Any], **kwargs: Any) -> AsyncGenerator[Any, None]:
+        return self._stream(messages, kwargs)
+
+    async def _stream(self, messages: Sequence[Any], kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
+        tag = self._tag()
+        token = _CURRENT.set(tag)
+        try:
+            stream = self._inner.create_stream(messages, **kwargs)
+        finally:
+            _reset(token)
+        # Each step of an async generator runs in its consumer's context: set the tag around each step.
+        try:
+            while True:
+                token = _CURRENT.set(tag)
+                try:
+                    item = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    _reset(token)
+                yield item
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+    def actual_usage(self) -> Any:
+        return self._inner.actual_usage()
+
+    def total_usage(self) -> Any:
+        return self._inner.total_usage()
+
+    def count_tokens(self, messages: Sequence[Any], **kwargs: Any) -> int:
+        return self._inner.count_tokens(messages, **kwargs)
+
+    def remaining_tokens(self, messages: Sequence[Any], **kwargs: Any) -> int:
+        return self._inner.remaining_tokens(messages, **kwargs)
+
+    @property
+    def capabilities(self) -> Any:  # deprecated in AutoGen, still abstract
+        return self._inner.capabilities
+
+    @property
+    def model_info(self) -> Any:
+        return self._inner.model_info
+
+    def dump_component(self) -> Any:
+        return self._inner.dump_component()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_inner", "_tag_factory"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def _reset(token: Any) -> None:
+    try:
+        _CURRENT.reset(token)
+    except ValueError:
+        _CURRENT.set(None)
+
+
+def _unwrap(client: Any) -> Any:
+    while isinstance(client, TaggedModelClient):
+        client = client.inner
+    return client
+
+
+# --------------------------------------------------------------------------------------
+# Facts
+# --------------------------------------------------------------------------------------
+
+
+def team_facts(team: Any) -> dict[str, Any]:
+    """The protocol ``graph`` event of a team: participants and the speaker transitions allowed.
+
+    ``allowed_transitions`` (a mapping speaker -> next speakers) when the team has one; a round
+    robin's cycle; a swarm's handoffs; otherwise all-to-all (without self-loops when
+    ``allow_repeated_speaker`` is False). A ``candidate_func``/``selector_func`` cannot be
+    enumerated, so it keeps all-to-all.
+    """
+    participants = [str(getattr(p, "name", p)) for p in getattr(team, "_participants", [])]
+    ids = {p: sanitize_id(p) for p in participants}
+    edges: set[tuple[str, str]] = set()
+    conditional: set[tuple[str, str]] = set()
+    entry: list[str] = []
+    allowed = getattr(team, "allowed_transitions", None) or getattr(team, "_allowed_transitions", None)
+    kind = type(team).__name__
+    if isinstance(allowed, Mapping):
+        for source, targets in allowed.items():
+            for target in targets:
+                conditional.add((sanitize_id(source), sanitize_id(target)))
+        entry = [ids[p] for p in participants]
+    elif kind == "RoundRobinGroupChat" and participants:
+        for i, p in enumerate(participants):
+            edges.add((ids[p], ids[participants[(i + 1) % len(participants)]]))
+        entry = [ids[participants[0]]]
+    elif kind == "Swarm" and participants:
+        for p in getattr(team, "_participants", []):
+            for handoff in (getattr(p, "_handoffs", None) or {}).values():
+                target = getattr(handoff, "target", None)
+                if target:
+                    conditional.add((sanitize_id(p.name), sanitize_id(target)))
+        entry = [ids[participants[0]]]
+    else:
+        repeat = bool(getattr(team, "_allow_repeated_speaker", True)) or getattr(team, "_candidate_func", None)
+        for a in participants:
+            for b in participants:
+                if a != b or repeat:
+                    conditional.add((ids[a], ids[b]))
+        entry = [ids[p] for p in participants]
+    event: dict[str, Any] = {
+        "type": "graph",
+        "nodes": sorted(set(ids.values())),
+        "edges": sorted([a, b] for a, b in edges),
+        "conditional_edges": sorted([a, b] for a, b in conditional - edges),
+        "entry": sorted(set(entry)),
+    }
+    name = getattr(team, "name", None) or kind
+    event["app"] = sanitize_id(name)
+    digest = hashlib.sha1(json.dumps(event, sort_keys=True).encode()).hexdigest()[:16]
+    event["id"] = f"graph-{digest}"
+    return event
+
+
+# --------------------------------------------------------------------------------------
+# Instrumentation state
+# --------------------------------------------------------------------------------------
+
+
+class TeamInstrumentation:
+    """What :func:`instrument` attached to a team: session, facts, per-agent current tags."""
+
+    def __init__(
+        self,
+        team: Any,
+        *,
+        session: str | Callable[[], str] | None,
+        selector_name: str,
+        sink: EventSink | None,
+    ) -> None:
+        self.team_name = str(getattr(team, "name", type(team).__name__))
+        self.facts = team_facts(team)
+        self.sink = sink
+        self.selector = sanitize_id(selector_name)
+        self.app_id = f"autogen-{id(team):x}"
+        self._session_spec = session
+        self.session: str | None = None  # the running session
+        self._tags: dict[str, AgentTag] = {}
+        self._lock = threading.Lock()
+        self.speakers: list[tuple[str, str | None, int | None]] = []  # (agent, parent, step) of the last run
+
+    # -- session ---------------------------------------------------------------------
+
+    def _new_session(self) -> str:
+        spec = self._session_spec
+        if callable(spec):
+            return sanitize_id(spec())
+        if spec:
+            return sanitize_id(spec)
+        return uuid.uuid4().hex
+
+    def begin_run(self) -> str:
+        session = self._new_session()
+        with self._lock:
+            self.session = session
+            self._tags.clear()
+            self.speakers = []
+        tracker().start_session(session)
+        _COUNTS["autogen_runs"] += 1
+        if self.sink is not None:
+            self.sink.post([self.facts, session_event("session_start", session)])
+        return session
+
+    def end_run(self, session: str, cancelled: bool) -> None:
+        with self._lock:
+            if self.session == session:
+                self.session = None
+        tracker().end_session(session)
+        if self.sink is not None:
+            self.sink.post([session_event("cancel" if cancelled else "session_end", session)])
+
+    # -- tags ------------------------------------------------------------------------
+
+    def begin_turn(self, name: str) -> tuple[AgentTag, Dispatch | None]:
+        agent = sanitize_id(name)
+        session = self.session
+        d: Dispatch | None = None
+        if session is None:  # the agent runs outside a team run: tag, but no lineage
+            tag = AgentTag(agent)
+        else:
+            d = tracker().dispatch(agent, session, framework="autogen", node=name, app=self.app_id)
+            tag = d.tag
+            self.speakers.append((d.agent, d.parent, d.step))
+        with self._lock:
+            self._tags[agent] = tag
+        return tag, d
+
+    def agent_tag(self, name: str) -> AgentTag:
+        agent = sanitize_id(name)
+        with self._lock:
+            tag = self._tags.get(agent)
+        if tag is not None and tag.session == self.session:
+            return tag
+        return AgentTag(agent, session=self.session)
+
+    def selector_tag(self) -> AgentTag:
+        session = self.session
+        if session is None:
+            return AgentTag(self.selector)
+        parent = tracker().parent_for(session)
+        step = self.speakers[-1][2] if self.speakers else None
+        return AgentTag(self.selector, session=session, parent=parent, step=(step or 0) + 1)
+
+
+def instrumentation(team: Any) -> TeamInstrumentation | None:
+    """The :class:`TeamInstrumentation` of an instrumented team, else None."""
+    return getattr(team, _STATE_ATTR, None)
+
+
+def _wrap_turns(agent: Any, state: TeamInstrumentation) -> None:
+    original = agent.on_messages_stream  # bound method of the agent's class
+    name = str(agent.name)
+
+    def on_messages_stream(messages: Any, cancellation_token: Any) -> AsyncIterator[Any]:
+        tag: AgentTag | None = None
+        dispatch: Dispatch | None = None
+        try:
+            tag, dispatch = state.begin_turn(name)
+        except Exception as exc:
+            ERRORS.record("autogen turn", exc)
+        return _run_under(original(messages, cancellation_token), tag, dispatch)
+
+    on_messages_stream.__agentkv_original__ = original  # type: ignore[attr-defined]
+    agent.on_messages_stream = on_messages_stream
+
+
+async def _run_under(stream: Any, tag: AgentTag | None, dispatch: Dispatch | None) -> AsyncGenerator[Any, None]:
+    try:
+        while True:
+            token = _CURRENT.set(tag)
+            try:
+                item = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                _reset(token)
+            yield item
+    finally:
+        try:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            if dispatch is not None:
+                dispatch_ended(dispatch)
+
+
+def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
+    original = team.run_stream
+
+    def run_stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        return _session_stream(state, original, args, kwargs)
+
+    run_stream.__agentkv_original__ = original  # type: ignore[attr-defined]
+    team.run_stream = run_stream
+
+
+async def _session_stream(
+    state: TeamInstrumentation, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> AsyncGenerator[Any, None]:
+    session: str | None = None
+    try:
+        session = state.begin_run()
+    except Exception as exc:
+        ERRORS.record("autogen session start", exc)
+    finished = False
+    try:
+        async for item in original(*args, **kwargs):
+            yield item
+        finished = True
+    finally:
+        if session is not None:
+            try:
+                state.end_run(session, cancelled=not finished)
+            except Exception as exc:
+                ERRORS.record("autogen session end", exc)
+
+
+def instrument(
+    team: Any,
+    *,
+    session: str | Callable[[], str] | None = None,
+    events_url: str | None = None,
+    selector_name: str = "selector",
+) -> Any:
+    """Tag every model call of an AutoGen group chat (``SelectorGroupChat``, also round robin/swarm).
+
+    Call it before the team's first run (AutoGen hands the selector's client to its manager then).
+    ``session``: a fixed session id or a function returning one per run; default a new id per
+    run. ``events_url``: the vLLM server (base URL or full events URL) for graph facts and
+    ``session_start``/``session_end``/``cancel`` events. Returns the same team, instrumented;
+    calling it twice is a no-op. Participants that are teams themselves are not descended into.
+    """
+    install()
+    existing = instrumentation(team)
+    if existing is not None:
+        return team
+    if getattr(team, "_initialized", False):
+        ERRORS.record("autogen instrument", message="team already ran: the selector's model calls stay untagged")
+    sink = get_sink(events_url) if events_url else None
+    state = TeamInstrumentation(team, session=session, selector_name=selector_name, sink=sink)
+    for participant in getattr(team, "_participants", []):
+        name = str(getattr(participant, "name", ""))
+        client = getattr(participant, "_model_client", None)
+        if isinstance(client, ChatCompletionClient):
+            participant._model_client = TaggedModelClient(_unwrap(client), lambda n=name: state.agent_tag(n))
+        if hasattr(participant, "on_messages_stream") and name:
+            _wrap_turns(participant, state)
+    selector_client = getattr(team, "_model_client", None)
+    if isinstance(selector_client, ChatCompletionClient):
+        team._model_client = TaggedModelClient(_unwrap(selector_client), state.selector_tag)
+    _wrap_run(team, state)
+    setattr(team, _STATE_ATTR, state)
+    if sink is not None:
+        sink.post([state.facts])
+    return team

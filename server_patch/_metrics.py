@@ -1,0 +1,69 @@
+"""agentkv's counters in Prometheus text format, rendered from a stats document."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["render_metrics"]
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: dict[str, Any], strict: bool) -> None:
+        self._stats = stats
+        self._strict = strict
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._stats
+        agents = stats.get("agents", {})
+        families = (
+            ("agentkv_prefix_cache_queries", "Prompt tokens of tagged requests, by agent", "queries"),
+            ("agentkv_prefix_cache_hits", "Prompt tokens served from the prefix cache, by agent", "hits"),
+        )
+        for name, documentation, key in families:
+            counter = CounterMetricFamily(name, documentation, labels=["agent"])
+            for agent, row in agents.items():
+                counter.add_metric([agent], row.get(key, 0))
+            yield counter
+        survival = GaugeMetricFamily("agentkv_survival", "P(agent runs within the horizon)", labels=["agent"])
+        blocks = GaugeMetricFamily("agentkv_cached_blocks", "Tracked cached blocks by agent and class",
+                                   labels=["agent", "class"])
+        for agent, row in agents.items():
+            survival.add_metric([agent], row.get("survival", 0.0))
+            blocks.add_metric([agent, "anchor"], row.get("anchor_blocks", 0))
+            blocks.add_metric([agent, "history"], row.get("history_blocks", 0))
+        yield survival
+        yield blocks
+        evictions = CounterMetricFamily("agentkv_evictions", "Evicted cached blocks by class", labels=["class"])
+        for kind, count in stats.get("evictions", {}).items():
+            evictions.add_metric([kind], count)
+        yield evictions
+        malformed = CounterMetricFamily("agentkv_malformed_metadata", "Malformed tags ignored, by field",
+                                        labels=["field"])
+        for field, count in stats.get("malformed_metadata", {}).items():
+            malformed.add_metric([field], count)
+        yield malformed
+        yield CounterMetricFamily(
+            "agentkv_dispatches", "Agent dispatches learned from", value=stats.get("dispatches", 0)
+        )
+        yield GaugeMetricFamily("agentkv_predictability", "R = 1 - H(next|current)/H(next)",
+                                value=stats.get("predictability", 0.0))
+        accuracy = stats.get("top1_accuracy")
+        yield GaugeMetricFamily("agentkv_top1_accuracy", "Online top-1 next-agent accuracy",
+                                value=float("nan") if accuracy is None else accuracy)
+        yield GaugeMetricFamily("agentkv_policy_survival", "1 while eviction is survival-scored, 0 for LRU",
+                                value=1.0 if stats.get("policy") == "survival" else 0.0)
+        yield GaugeMetricFamily("agentkv_learner_bytes", "Size of the learned state",
+                                value=stats.get("learner", {}).get("bytes", 0))
+        yield GaugeMetricFamily("agentkv_strict_metadata", "1 when malformed tags are refused with 400",
+                                value=1.0 if self._strict else 0.0)
+
+
+def render_metrics(stats: dict[str, Any], strict: bool) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatsCollector(stats, strict))
+    return generate_latest(registry)

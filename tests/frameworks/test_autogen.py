@@ -1,0 +1,236 @@
+"""AutoGen adapter: SelectorGroupChat speakers and selector tagged exactly, streaming, facts, events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("autogen_agentchat")
+
+from autogen_agentchat.agents import AssistantAgent
+from autogen_agentchat.base import TaskResult
+from autogen_agentchat.conditions import MaxMessageTermination
+from autogen_agentchat.teams import RoundRobinGroupChat, SelectorGroupChat
+from autogen_ext.models.openai import OpenAIChatCompletionClient
+
+from agentkv.frameworks import Dispatch, current_tag, on_dispatch, on_dispatch_end
+from agentkv.frameworks.autogen import TaggedModelClient, instrument, instrumentation, team_facts
+from agentkv.protocol import validate_events
+
+from ._fakes import BASE_URL, EventsServer, FakeOpenAI, closed_port_url, tool_call
+
+MODEL = "gpt-4o-mini-2024-07-18"  # a model autogen-ext knows (model_info), echoed back by the fake
+
+
+@pytest.fixture
+def server() -> FakeOpenAI:
+    return FakeOpenAI()
+
+
+@pytest.fixture
+def dispatches() -> Iterator[list[Dispatch]]:
+    seen: list[Dispatch] = []
+    unsubscribe = on_dispatch(seen.append)
+    yield seen
+    unsubscribe()
+
+
+def client(server: FakeOpenAI) -> OpenAIChatCompletionClient:
+    return OpenAIChatCompletionClient(
+        model=MODEL, api_key="sk-test", base_url=BASE_URL, http_client=server.async_http_client(), max_retries=0
+    )
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def make_team(server: FakeOpenAI, *, messages: int = 5, streaming: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    shared = client(server)  # one client shared by all participants: each still gets its own tag
+    agents = [
+        AssistantAgent(
+            name,
+            model_client=shared,
+            description=f"the {name}",
+            system_message=f"You are the {name}.",
+            model_client_stream=name in streaming,
+            tools=[add] if name == "coder" else None,
+            reflect_on_tool_use=name == "coder",
+        )
+        for name in ("planner", "coder", "critic")
+    ]
+    return SelectorGroupChat(
+        agents, model_client=client(server), termination_condition=MaxMessageTermination(messages), **kwargs
+    )
+
+
+def test_selector_group_chat_tags_speakers_and_selector(server, dispatches):
+    server.script("selector", "coder", "critic", "planner", "coder")
+    server.script("coder", tool_call("add", {"a": 1, "b": 2}), "three")  # tool round trip in one turn
+    team = instrument(make_team(server, streaming=("critic",)), session="run-1")
+    ended: list[Dispatch] = []
+    unsubscribe = on_dispatch_end(ended.append)
+    try:
+        result = asyncio.run(team.run(task="build it"))
+    finally:
+        unsubscribe()
+    assert ended == [d for d in dispatches if d.session == "run-1"]  # each turn ended, in order
+    speakers = [m.source for m in result.messages if type(m).__name__ == "TextMessage"]
+    assert speakers == ["user", "coder", "critic", "planner", "coder"]
+    assert server.tags() == [
+        ("selector", "run-1", "", 1),
+        ("coder", "run-1", "", 1),
+        ("coder", "run-1", "", 1),  # after the tool result (reflect_on_tool_use): same dispatch
+        ("selector", "run-1", "coder", 2),
+        ("critic", "run-1", "coder", 2),  # streamed
+        ("selector", "run-1", "critic", 3),
+        ("planner", "run-1", "critic", 3),
+        ("selector", "run-1", "planner", 4),
+        ("coder", "run-1", "planner", 4),
+    ]
+    assert server.requests[2].body["messages"][-1]["role"] == "tool"
+    assert server.requests[4].body.get("stream") is True
+    assert [(d.agent, d.parent, d.step, d.framework) for d in dispatches if d.session == "run-1"] == [
+        ("coder", "", 1, "autogen"),
+        ("critic", "coder", 2, "autogen"),
+        ("planner", "critic", 3, "autogen"),
+        ("coder", "planner", 4, "autogen"),
+    ]
+    state = instrumentation(team)
+    assert state.speakers == [
+        ("coder", "", 1),
+        ("critic", "coder", 2),
+        ("planner", "critic", 3),
+        ("coder", "planner", 4),
+    ]
+    assert current_tag() is None
+
+
+def test_two_agents_selector_called_once_and_streaming_selector(server):
+    agents = [
+        AssistantAgent(n, model_client=client(server), description=n, model_client_stream=True) for n in ("a", "b")
+    ]
+    team = SelectorGroupChat(
+        agents,
+        model_client=client(server),
+        model_client_streaming=True,
+        termination_condition=MaxMessageTermination(4),
+    )
+    server.script("selector", "b")
+    instrument(team, session=lambda: "fixed")
+    asyncio.run(team.run(task="go"))
+    # with two agents and no repeats, AutoGen picks the only candidate without the model
+    assert server.tags() == [
+        ("selector", "fixed", "", 1),
+        ("b", "fixed", "", 1),
+        ("a", "fixed", "b", 2),
+        ("b", "fixed", "a", 3),
+    ]
+    assert all(r.body.get("stream") for r in server.requests)
+
+
+def test_run_stream_new_session_per_run_and_lineage_reset(server):
+    team = instrument(make_team(server, messages=3))
+    server.script("selector", "planner", "critic", "critic", "planner")
+
+    async def both() -> list[Any]:
+        out = []
+        async for item in team.run_stream(task="first"):
+            out.append(item)
+        await team.reset()
+        result = await team.run(task="second")
+        return [out[-1], result]
+
+    first, second = asyncio.run(both())
+    assert isinstance(first, TaskResult) and isinstance(second, TaskResult)
+    sessions = [r.tag[1] for r in server.requests]
+    assert len(set(sessions)) == 2 and None not in sessions
+    s1, s2 = sessions[0], sessions[-1]
+    assert [t for t in server.tags() if t[1] == s1] == [
+        ("selector", s1, "", 1),
+        ("planner", s1, "", 1),
+        ("selector", s1, "planner", 2),
+        ("critic", s1, "planner", 2),
+    ]
+    assert [t for t in server.tags() if t[1] == s2] == [
+        ("selector", s2, "", 1),
+        ("critic", s2, "", 1),
+        ("selector", s2, "critic", 2),
+        ("planner", s2, "critic", 2),
+    ]
+
+
+def test_instrument_is_idempotent_and_keeps_the_team_usable(server):
+    team = make_team(server)
+    assert instrument(team) is team and instrument(team) is team
+    assert isinstance(team._model_client, TaggedModelClient)
+    assert not isinstance(team._model_client.inner, TaggedModelClient)
+    assert team._participants[0]._model_client.model_info["family"]
+    config = team.dump_component()  # still serializable
+    assert config.config["model_client"]["provider"].endswith("OpenAIChatCompletionClient")
+
+
+def test_team_facts():
+    server = FakeOpenAI()
+    facts = team_facts(make_team(server))
+    validate_events({"version": 1, "events": [facts]})
+    assert facts["nodes"] == ["coder", "critic", "planner"]
+    pairs = {tuple(e) for e in facts["conditional_edges"]}
+    assert len(pairs) == 6 and ("coder", "coder") not in pairs  # no repeats by default
+    assert facts["entry"] == ["coder", "critic", "planner"]
+
+    repeat = team_facts(make_team(server, allow_repeated_speaker=True))
+    assert ("coder", "coder") in {tuple(e) for e in repeat["conditional_edges"]}
+
+    rr = RoundRobinGroupChat(
+        [AssistantAgent(n, model_client=client(server)) for n in ("x", "y", "z")],
+        termination_condition=MaxMessageTermination(2),
+    )
+    rr_facts = team_facts(rr)
+    assert rr_facts["edges"] == [["x", "y"], ["y", "z"], ["z", "x"]] and rr_facts["entry"] == ["x"]
+
+    team = make_team(server)
+    team.allowed_transitions = {"planner": ["coder"], "coder": ["critic"], "critic": ["planner", "coder"]}
+    declared = team_facts(team)
+    assert declared["conditional_edges"] == [
+        ["coder", "critic"],
+        ["critic", "coder"],
+        ["critic", "planner"],
+        ["planner", "coder"],
+    ]
+
+
+def test_round_robin_is_tagged_too(server):
+    rr = RoundRobinGroupChat(
+        [AssistantAgent(n, model_client=client(server)) for n in ("x", "y")],
+        termination_condition=MaxMessageTermination(4),
+    )
+    instrument(rr, session="rr")
+    asyncio.run(rr.run(task="go"))
+    assert server.tags() == [("x", "rr", "", 1), ("y", "rr", "x", 2), ("x", "rr", "y", 3)]
+
+
+def test_events_and_a_down_server(server):
+    with EventsServer() as events:
+        team = instrument(make_team(server, messages=2), session="ev-1", events_url=events.url)
+        server.script("selector", "planner")
+        asyncio.run(team.run(task="go"))
+        assert instrumentation(team).sink.flush(5)
+    for body in events.bodies:
+        validate_events(body["json"])
+    kinds = [(e["type"], e.get("session")) for e in events.events()]
+    assert ("session_start", "ev-1") in kinds and ("session_end", "ev-1") in kinds
+    assert any(e["type"] == "graph" and e["nodes"] == ["coder", "critic", "planner"] for e in events.events())
+
+    server.requests.clear()
+    down = instrument(make_team(server, messages=2), session="ev-2", events_url=closed_port_url())
+    server.script("selector", "critic")
+    result = asyncio.run(down.run(task="go"))
+    assert result.messages[-1].source == "critic"
+    assert server.tags() == [("selector", "ev-2", "", 1), ("critic", "ev-2", "", 1)]
+    assert instrumentation(down).sink.flush(5)
+    assert instrumentation(down).sink.failed > 0

@@ -1,0 +1,115 @@
+"""POST /agentkv/v1/events from the adapters: delivered when up, harmless when down, slow or failing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+pytest.importorskip("langgraph")
+
+from agentkv.frameworks import stats
+from agentkv.frameworks._events import EventSink, events_endpoint
+from agentkv.frameworks.langgraph import instrument
+from agentkv.protocol import EVENTS_PATH, validate_events
+
+from ._fakes import EventsServer, FakeOpenAI, closed_port_url
+from .test_langgraph import FAN_OUT_EXPECTED, fan_out_app
+
+
+def cfg(thread: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": thread}}
+
+
+def thread_id() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def test_events_endpoint_accepts_base_or_full_urls():
+    assert events_endpoint("http://127.0.0.1:8000") == "http://127.0.0.1:8000" + EVENTS_PATH
+    assert events_endpoint("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000" + EVENTS_PATH
+    assert events_endpoint("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000" + EVENTS_PATH
+    full = "http://127.0.0.1:8000" + EVENTS_PATH
+    assert events_endpoint(full) == full
+
+
+def test_graph_and_session_events_are_delivered():
+    server = FakeOpenAI()
+    thread = thread_id()
+    with EventsServer() as events:
+        app = instrument(fan_out_app(server), events_url=events.url + "/v1")
+        app.invoke({"notes": []}, cfg(thread))
+        with pytest.raises(RuntimeError, match="node failed"):
+            instrument(_failing_app(), events_url=events.url).invoke({"notes": []}, cfg(thread + "-x"))
+        assert app.sink.flush(5)
+    assert all(body["path"] == EVENTS_PATH for body in events.bodies)
+    for body in events.bodies:
+        validate_events(body["json"])  # every batch matches the protocol schema
+    kinds = [(e["type"], e.get("session")) for e in events.events()]
+    assert ("session_start", thread) in kinds and ("session_end", thread) in kinds
+    assert kinds.index(("session_start", thread)) < kinds.index(("session_end", thread))
+    assert ("cancel", thread + "-x") in kinds  # a run that raised is cancelled
+    graph = next(e for e in events.events() if e["type"] == "graph" and "Planner" in e["nodes"])
+    assert graph == {**app.facts}
+    assert graph["entry"] == ["Planner"] and ["Planner", "left"] in graph["edges"]
+
+
+def _failing_app() -> Any:
+    from langgraph.graph import START, StateGraph
+
+    from .test_langgraph import Notes
+
+    def boom(state: Any) -> Any:
+        raise RuntimeError("node failed")
+
+    g = StateGraph(Notes)
+    g.add_node("boom", boom)
+    g.add_edge(START, "boom")
+    return g.compile()
+
+
+def test_server_down_never_affects_the_app(caplog):
+    server = FakeOpenAI()
+    thread = thread_id()
+    url = closed_port_url()
+    with caplog.at_level(logging.WARNING, logger="agentkv.frameworks"):
+        app = instrument(fan_out_app(server), events_url=url)
+        for i in range(3):
+            app.invoke({"notes": []}, cfg(f"{thread}-{i}"))
+        assert app.sink.flush(10)
+    assert len(server.requests) == 18  # the user's calls all went through, tagged
+    assert {k: (a, p, st) for k, (a, s, p, st) in server.tags_by_text().items()} == FAN_OUT_EXPECTED
+    assert app.sink.failed == 1 + 3 * 3 and app.sink.sent == 0  # facts; per run facts+start, end
+    failures = [r for r in caplog.records if "events POST" in r.getMessage()]
+    assert len(failures) == 1  # logged once, then only counted
+    assert stats()["errors"][f"events POST to {app.sink.url}"] >= 1  # POSTs coalesce queued batches
+
+
+def test_slow_server_does_not_slow_the_app():
+    server = FakeOpenAI()
+    thread = thread_id()
+    with EventsServer(delay=3.0) as events:
+        app = instrument(fan_out_app(server), events_url=events.url)
+        started = time.perf_counter()
+        app.invoke({"notes": []}, cfg(thread))
+        asyncio.run(app.ainvoke({"notes": []}, cfg(thread + "a")))
+        elapsed = time.perf_counter() - started
+        assert elapsed < 1.5, elapsed
+        assert len(server.requests) == 12
+        assert app.sink.flush(15)
+        assert app.sink.failed > 0  # the 2 s client timeout fired
+
+
+def test_http_errors_are_counted_not_raised():
+    with EventsServer(status=400) as events:
+        sink = EventSink(events.url)
+        sink.post([{"type": "session_end", "session": "s"}])
+        sink.post([{"type": "bogus"}])  # invalid: dropped before sending
+        assert sink.flush(5)
+        sink.close()
+    assert sink.failed == 1 and sink.sent == 0 and sink.dropped == 1
+    assert len(events.bodies) == 1
