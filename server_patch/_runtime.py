@@ -7,8 +7,9 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,12 +91,15 @@ class AgentKVRuntime:
     start of every scheduling step.
     """
 
-    def __init__(self, config: RuntimeConfig | None = None) -> None:
+    def __init__(self, config: RuntimeConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` (seconds) drives recency and session expiry; replays pass simulated time."""
         self.config = config or RuntimeConfig()
+        self.clock = clock
         if self.config.snapshot_path:
             self.learner, self.facts = restore_or_fresh(self.config.snapshot_path, self.config.learner)
         else:
             self.learner, self.facts = TransitionLearner(self.config.learner), GraphFacts()
+        self.learner.clock = clock
         self.predictor = Predictor(self.learner, self.facts)
         self.scorer = SurvivalScorer(self.predictor, self.config.survival)
         self.tracker = BlockTracker()
@@ -104,6 +108,7 @@ class AgentKVRuntime:
         self.lock = threading.RLock()
         self.queues: list[ScoredFreeBlockQueue[Hashable]] = []
         self.table: SurvivalTable | None = None
+        self.block_size = 0
         self.queries: Counter[str] = Counter()
         self.hits: Counter[str] = Counter()
         self.tagged_requests = 0
@@ -115,8 +120,9 @@ class AgentKVRuntime:
     def install(self, manager: KVCacheManager) -> None:
         """Swap in the scored free queue and observe caching and hits (no vLLM code changes)."""
         pool = manager.block_pool
+        self.block_size = pool.hash_block_size
         queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
-            pool, self._group_of, decay=self.config.decay
+            pool, self._group_of, clock=self.clock, decay=self.config.decay
         )
         queue.enabled = self.config.enabled
         queue.on_evict = self._on_evict
@@ -270,6 +276,7 @@ class AgentKVRuntime:
             "version": PROTOCOL_VERSION,
             "enabled": self.config.enabled,
             "policy": self.policy,
+            "block_size": self.block_size,
             "predictability": self.learner.predictability(),
             "top1_accuracy": self.learner.accuracy,
             "dispatches": self.learner.dispatches,

@@ -64,7 +64,7 @@ class TransitionLearner:
 
     def __init__(self, config: LearnerConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or LearnerConfig()
-        self._clock = clock
+        self.clock = clock
         self._decay = 1.0 if self.config.half_life is None else 2.0 ** (-1.0 / self.config.half_life)
         self._index: dict[str, int] = {}
         self._names: list[str] = []  # index -> agent; slots are recycled, never left empty
@@ -103,7 +103,7 @@ class TransitionLearner:
         """
         if warmup:
             return None
-        now = self._clock() if now is None else now
+        now = self.clock() if now is None else now
         self._expire_sessions(now)
         if step is not None and session is not None and session in self._sessions:
             last_index, _, last_step = self._sessions[session]
@@ -337,7 +337,7 @@ class TransitionLearner:
         arrays = (counts, entry, ends)
         if not all(np.isfinite(a).all() and (a >= 0).all() for a in arrays):
             raise ValueError("counts must be finite and non-negative")
-        fresh = TransitionLearner(self.config, clock=self._clock)
+        fresh = TransitionLearner(self.config, clock=self.clock)
         for name in agents:
             fresh._intern(name)
         fresh._counts[:n, :n] = counts
