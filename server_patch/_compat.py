@@ -112,16 +112,9 @@ def gate() -> GateResult:
     try:
         return GateResult(check_vllm(), enabled=True)
     except UnsupportedVLLM as exc:
-        if os.environ.get("AGENTKV_ALLOW_LRU_FALLBACK") == "1":
-            logger.error("%s; running as plain LRU because AGENTKV_ALLOW_LRU_FALLBACK=1", exc)
-            version = getattr(__import__("vllm"), "__version__", "unknown") if _vllm_importable() else "missing"
-            return GateResult(version, enabled=False, reason=str(exc))
-        raise
+        if os.environ.get("AGENTKV_ALLOW_LRU_FALLBACK") != "1":
+            raise
+        logger.error("%s; running as plain LRU because AGENTKV_ALLOW_LRU_FALLBACK=1", exc)
+        import vllm
 
-
-def _vllm_importable() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return GateResult(vllm.__version__, enabled=False, reason=str(exc))

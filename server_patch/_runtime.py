@@ -114,6 +114,12 @@ class AgentKVRuntime:
         self.tagged_requests = 0
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._scored_version: tuple[int, int] | None = None
+        self._scored_policy: tuple[str, int] | None = None
+        # log-space scores prepared by refresh() for _score_of (valid for one table)
+        self._lru = True
+        self._log_untagged = self._log_floor = 0.0
+        self._log_anchor: dict[str, float] = {}
+        self._log_passage: list[list[float]] = []
 
     # -- wiring into vLLM ----------------------------------------------------------
 
@@ -121,12 +127,12 @@ class AgentKVRuntime:
         """Swap in the scored free queue and observe caching and hits (no vLLM code changes)."""
         pool = manager.block_pool
         self.block_size = pool.hash_block_size
-        queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
-            pool, self._group_of, clock=self.clock, decay=self.config.decay
-        )
-        queue.enabled = self.config.enabled
-        queue.on_evict = self._on_evict
-        self.queues.append(queue)
+        if self.config.enabled:  # disabled: vLLM's own queue stays, so eviction is exactly LRU
+            queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
+                pool, self._group_of, clock=self.clock, decay=self.config.decay
+            )
+            queue.on_evict = self._on_evict
+            self.queues.append(queue)
 
         cache_full_blocks = pool.cache_full_blocks
 
@@ -197,12 +203,21 @@ class AgentKVRuntime:
         self.learner.observe(tag.agent, tag.session, tag.parent, step=tag.step, warmup=tag.warmup)
 
     def refresh(self) -> None:
-        """Recompute survival and re-score the queue's groups, only when something changed."""
+        """Recompute survival and re-score the queue's groups, only when something changed.
+
+        Runs once per scheduler step: O(agents^2 x horizon) for the table plus O(groups)
+        dictionary lookups; in LRU mode the groups are re-scored only when facts change.
+        """
         version = (self.learner.version, self.facts.version)
-        if version == self._scored_version:
+        if not self.config.enabled or version == self._scored_version:
             return
         self._scored_version = version
         self.table = self.scorer.refresh()
+        policy = self.policy
+        if policy == "lru" and self._scored_policy == ("lru", self.facts.version):
+            return  # every group still scores 0.0 (or -inf if retired): nothing to redo
+        self._scored_policy = (policy, self.facts.version)
+        self._prepare_scores()
         for queue in self.queues:
             queue.set_group_scores(self._score_of)
 
@@ -215,21 +230,34 @@ class AgentKVRuntime:
     def _group_of(self, block: KVCacheBlock) -> Hashable:
         return self.tracker.group_of(block.block_id, block.block_hash is not None)
 
+    def _prepare_scores(self) -> None:
+        """Log-space survival per agent and per (current agent, agent), as plain Python lookups."""
+        table, delta = self.table, self.config.survival.delta
+        self._lru = self.policy == "lru"
+        if self._lru or table is None:
+            return
+        self._log_untagged = math.log(self.config.untagged_survival + delta)
+        self._log_anchor = {a: math.log(p + delta) for a, p in zip(table.agents, table.aggregate.tolist(), strict=True)}
+        self._log_passage = [[math.log(p + delta) for p in row] for row in table.passage.tolist()]
+        self._log_floor = math.log(delta)
+
     def _score_of(self, group: Hashable) -> float:
         """log(p + δ) of a group; equal for all while the policy is LRU, -inf once retired."""
-        if group != UNTAGGED and group[0] == "history" and self.facts.is_ended(group[1]):  # type: ignore[index]
-            return _RETIRED  # a fact: an ended session's history is never reused
-        if self.policy == "lru":
-            return 0.0
-        assert self.table is not None
-        delta = self.config.survival.delta
         if group == UNTAGGED:
-            return math.log(self.config.untagged_survival + delta)
+            return 0.0 if self._lru else self._log_untagged
         kind, *rest = group  # type: ignore[misc]
+        if kind == "history" and self.facts.is_ended(rest[0]):
+            return _RETIRED  # a fact: an ended session's history is never reused
+        if self._lru:
+            return 0.0
         if kind == "anchor":
-            return math.log(self.table.block(rest[0]) + delta)
-        session, agents = rest
-        return math.log(self.table.session(self.learner.current_agent(session), agents) + delta)
+            return max((self._log_anchor.get(a, self._log_floor) for a in rest[0]), default=self._log_floor)
+        current = self.learner.current_agent(rest[0])
+        index = None if current is None else self.table.index.get(current)  # type: ignore[union-attr]
+        if index is None:
+            return self._log_floor
+        row, columns = self._log_passage[index], self.table.index  # type: ignore[union-attr]
+        return max((row[columns[a]] for a in rest[1] if a in columns), default=self._log_floor)
 
     def _on_evict(self, block: KVCacheBlock) -> None:
         group = self.tracker.group_of(block.block_id, True)

@@ -4,102 +4,96 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from agentkv.protocol import AgentTag
 
-__all__ = ["UNTAGGED", "AnchorLengths", "BlockInfo", "BlockTracker"]
+__all__ = ["UNTAGGED", "AnchorLengths", "BlockTracker", "merge_group"]
 
 UNTAGGED: Hashable = ("untagged",)
 _MAX_AGENTS_PER_BLOCK = 16
+_MAX_INTERNED = 100_000
+
+Group = tuple  # ("anchor", agents) | ("history", session, agents); agents: frozenset[str]
 
 
-@dataclass(slots=True)
-class BlockInfo:
-    """What is known about one cached block.
+def merge_group(group: Group | None, tag: AgentTag, in_anchor: bool) -> Group:
+    """The eviction group of a block after ``tag``'s request cached or hit it.
 
     A block is an *anchor* (an agent's fixed prefix, reused across sessions) when it lies
-    within its agent's learned anchor length or has been seen by two sessions; a block
-    seen by one session only is that session's *history*. ``sessions`` never holds more
-    than two ids: two already decide the class.
+    within its agent's learned anchor length, was seen by two sessions, or by a request
+    without a session; otherwise it is its one session's *history*. Blocks in one group
+    share a survival probability; a block shared by several agents keeps them all (up to
+    a bound) and survives as well as the best of them.
     """
-
-    agents: set[str] = field(default_factory=set)
-    sessions: list[str] = field(default_factory=list)
-    in_anchor: bool = False
-    group: Hashable = UNTAGGED
-
-    @property
-    def kind(self) -> str:
-        if not self.agents:
-            return "untagged"
-        return "history" if len(self.sessions) == 1 and not self.in_anchor else "anchor"
-
-    def add(self, tag: AgentTag, in_anchor: bool) -> None:
-        self.in_anchor |= in_anchor
-        if len(self.agents) < _MAX_AGENTS_PER_BLOCK:
-            self.agents.add(tag.agent)
-        if tag.session is not None and tag.session not in self.sessions and len(self.sessions) < 2:
-            self.sessions.append(tag.session)
-        self.group = self._group()
-
-    def _group(self) -> Hashable:
-        # The eviction group: blocks in one group share a survival probability.
-        kind = self.kind
-        if kind == "anchor":
-            return ("anchor", frozenset(self.agents))
-        return ("history", self.sessions[0], frozenset(self.agents))
+    if group is None:
+        agents = frozenset((tag.agent,))
+        if in_anchor or tag.session is None:
+            return ("anchor", agents)
+        return ("history", tag.session, agents)
+    agents = group[-1]
+    if tag.agent not in agents and len(agents) < _MAX_AGENTS_PER_BLOCK:
+        agents = agents | {tag.agent}
+    if group[0] == "anchor" or in_anchor or tag.session is None or tag.session != group[1]:
+        return ("anchor", agents)
+    return ("history", group[1], agents)
 
 
 class BlockTracker:
-    """Maps block_id -> BlockInfo for blocks cached or hit by tagged requests.
+    """Maps block_id -> eviction group for blocks cached or hit by tagged requests.
 
     Invariant: an entry describes the block's current content. Newly cached blocks
-    replace whatever the id held before (``cached``); prefix hits add to it (``hit``).
-    A block id without an entry, or a block without a hash, is untagged.
+    replace whatever the id held before (``cached``); prefix hits merge into it (``hit``).
+    A block id without an entry, or a block without a hash, is untagged. Groups are
+    interned, so tracking allocates nothing per block in the steady state.
     """
 
     def __init__(self) -> None:
-        self._info: dict[int, BlockInfo] = {}
+        self._group: dict[int, Group] = {}
+        self._interned: dict[tuple[Group | None, str, str | None, bool], Group] = {}
         self.evictions: Counter[str] = Counter()
+
+    def _merge(self, group: Group | None, tag: AgentTag, in_anchor: bool) -> Group:
+        key = (group, tag.agent, tag.session, in_anchor)
+        merged = self._interned.get(key)
+        if merged is None:
+            if len(self._interned) > _MAX_INTERNED:
+                self._interned.clear()
+            merged = self._interned[key] = merge_group(group, tag, in_anchor)
+        return merged
 
     def cached(self, blocks: Iterable[tuple[int, int]], tag: AgentTag | None, anchor_blocks: int) -> None:
         """Newly cached (position, block_id) pairs of one request."""
+        if tag is None:
+            for _, block_id in blocks:
+                self._group.pop(block_id, None)
+            return
         for position, block_id in blocks:
-            if tag is None:
-                self._info.pop(block_id, None)
-            else:
-                info = BlockInfo()
-                info.add(tag, position < anchor_blocks)
-                self._info[block_id] = info
+            self._group[block_id] = self._merge(None, tag, position < anchor_blocks)
 
     def hit(self, blocks: Iterable[tuple[int, int]], tag: AgentTag, anchor_blocks: int) -> None:
         """(position, block_id) pairs a request found in the prefix cache."""
         for position, block_id in blocks:
-            info = self._info.get(block_id)
-            if info is None:
-                info = self._info[block_id] = BlockInfo()
-            info.add(tag, position < anchor_blocks)
+            self._group[block_id] = self._merge(self._group.get(block_id), tag, position < anchor_blocks)
 
     def group_of(self, block_id: int, has_hash: bool) -> Hashable:
-        info = self._info.get(block_id) if has_hash else None
-        return UNTAGGED if info is None else info.group
+        group = self._group.get(block_id) if has_hash else None
+        return UNTAGGED if group is None else group
 
     def evicted(self, block_id: int, *, retired: bool) -> None:
         """Count an eviction by class; blocks of ended sessions count as ``retired``."""
-        info = self._info.pop(block_id, None)
-        self.evictions["retired" if retired else "untagged" if info is None else info.kind] += 1
+        group = self._group.pop(block_id, None)
+        self.evictions["retired" if retired else "untagged" if group is None else group[0]] += 1
 
     def blocks_by_agent(self) -> dict[str, Counter[str]]:
         """Per agent, how many tracked blocks are anchors and how many history."""
         table: dict[str, Counter[str]] = {}
-        for info in self._info.values():
-            for agent in info.agents:
-                table.setdefault(agent, Counter())[info.kind] += 1
+        for group in self._group.values():
+            for agent in group[-1]:
+                table.setdefault(agent, Counter())[group[0]] += 1
         return table
 
     def __len__(self) -> int:
-        return len(self._info)
+        return len(self._group)
 
 
 class AnchorLengths:
