@@ -49,6 +49,7 @@ class AgentKVMiddleware:
         self.app = app
         self.strict = os.environ.get("AGENTKV_STRICT") == "1"
         self.endpoint = control_endpoint(os.getpid())
+        self.timeout = 5.0  # seconds to wait for the engine's answer before a 503
         self.malformed = MalformedCounter(logger)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,7 +104,7 @@ class AgentKVMiddleware:
         await self.app(scope, _replay(body, receive), send)
 
     async def _fetch_stats(self) -> dict[str, Any]:
-        stats = await ask(self.endpoint, {"op": "stats"})
+        stats = await ask(self.endpoint, {"op": "stats"}, self.timeout)
         merged = dict(stats.get("malformed_metadata", {}))
         for field, count in self.malformed.by_field.items():
             merged[field] = merged.get(field, 0) + count
@@ -159,7 +160,7 @@ class AgentKVMiddleware:
             await _error(send, 400, f"events body is not JSON: {exc}")
             return
         try:
-            reply = await ask(self.endpoint, {"op": "events", "payload": payload})
+            reply = await ask(self.endpoint, {"op": "events", "payload": payload}, self.timeout)
         except ControlUnavailable as exc:
             await _error(send, 503, str(exc))
             return

@@ -29,6 +29,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from server_patch._free_queue import ScoredFreeBlockQueue
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 K = TypeVar("K", bound=Hashable)
 
@@ -339,6 +340,7 @@ class Replica:
     manager: KVCacheManager
     queue: ScoredFreeBlockQueue[Any] | None = None
     live: list[Request] = field(default_factory=list)
+    runtime: AgentKVRuntime | None = None
 
 
 def _replicas(clock: Clock) -> list[Replica]:
@@ -356,7 +358,15 @@ def _replicas(clock: Clock) -> list[Replica]:
     equal = Replica(make_manager(16))
     equal.queue = install(equal.manager, lambda b: b.block_id % 4, clock)
     equal.queue.set_group_scores({}, default=-2.0)
-    return [vanilla, disabled, constant, equal]
+
+    # The whole server-side runtime, installed disabled and enabled without metadata.
+    runtimes = []
+    for enabled in (False, True):
+        rep = Replica(make_manager(16), runtime=AgentKVRuntime(RuntimeConfig(enabled=enabled), clock=clock))
+        rep.runtime.install(rep.manager)
+        rep.queue = rep.runtime.queues[0] if enabled else None
+        runtimes.append(rep)
+    return [vanilla, disabled, constant, equal, *runtimes]
 
 
 def _apply(rep: Replica, op: tuple[object, ...], step: int) -> object:
@@ -366,6 +376,9 @@ def _apply(rep: Replica, op: tuple[object, ...], step: int) -> object:
         req = make_request(
             f"q{step}", PREFIXES[p][:k] + toks(1_000_000 + 1000 * step, 0, n)
         )
+        if rep.runtime is not None:  # as the scheduler: learn the request, refresh, then allocate
+            rep.runtime.on_add_request(req)
+            rep.runtime.refresh()
         result = allocate(rep.manager, req)
         if result is not None:
             rep.live.append(req)

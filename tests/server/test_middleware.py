@@ -1,0 +1,132 @@
+"""AgentKVMiddleware as ASGI, with the real control channel to a real AgentKVRuntime."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from agentkv.protocol import EVENTS_PATH, STATS_PATH
+from server_patch._control import ControlServer
+from server_patch._runtime import AgentKVRuntime
+from server_patch.middleware import AgentKVMiddleware
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def echo_app(scope, receive, send):
+    """Stands in for vLLM's app: answers with the body and headers it received."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/metrics":
+        payload = b"vllm:prefix_cache_queries_total 3.0\n"
+    else:
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        payload = json.dumps({"body": body.decode(), "content-length": headers.get("content-length")}).encode()
+    headers = [(b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+@pytest.fixture
+def runtime_endpoint(tmp_path, monkeypatch):
+    endpoint = f"ipc://{tmp_path}/control.ipc"
+    monkeypatch.setenv("AGENTKV_CONTROL", endpoint)
+    runtime = AgentKVRuntime()
+    server = ControlServer(endpoint, runtime.handle)
+    yield runtime
+    server.close()
+
+
+def client(middleware: AgentKVMiddleware) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://test")
+
+
+BODY = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+TAG = {"X-AgentKV-Agent": "coder", "X-AgentKV-Session": "t1", "X-AgentKV-Parent": "", "X-AgentKV-Step": "0"}
+
+
+async def test_untagged_requests_pass_through_byte_for_byte():
+    raw = b'{"model":"m",  "prompt":"hi"}'
+    async with client(AgentKVMiddleware(echo_app)) as c:
+        echoed = (await c.post("/v1/completions", content=raw)).json()
+    assert echoed["body"].encode() == raw
+
+
+async def test_headers_become_vllm_xargs():
+    async with client(AgentKVMiddleware(echo_app)) as c:
+        echoed = (await c.post("/v1/chat/completions", json={**BODY, "vllm_xargs": {"other": 1}}, headers=TAG)).json()
+    body = json.loads(echoed["body"])
+    assert body["vllm_xargs"] == {"other": 1, "agentkv_agent": "coder", "agentkv_session": "t1",
+                                  "agentkv_parent": "", "agentkv_step": 0}
+    assert int(echoed["content-length"]) == len(echoed["body"].encode())
+
+
+async def test_body_form_wins_over_headers():
+    xargs = {"agentkv_agent": "writer", "agentkv_session": "t9"}
+    async with client(AgentKVMiddleware(echo_app)) as c:
+        echoed = (await c.post("/v1/completions", json={**BODY, "vllm_xargs": xargs}, headers=TAG)).json()
+    assert json.loads(echoed["body"])["vllm_xargs"] == xargs
+
+
+async def test_malformed_headers_are_served_untagged_and_counted():
+    middleware = AgentKVMiddleware(echo_app)
+    async with client(middleware) as c:
+        response = await c.post("/v1/completions", json=BODY, headers={**TAG, "X-AgentKV-Step": "-1"})
+    assert response.status_code == 200
+    assert "vllm_xargs" not in json.loads(response.json()["body"])
+    assert middleware.malformed.by_field == {"X-AgentKV-Step": 1}
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "named"),
+    [
+        ({**TAG, "X-AgentKV-Agent": "bad agent"}, BODY, "X-AgentKV-Agent"),
+        ({}, {**BODY, "vllm_xargs": {"agentkv_agent": "a", "agentkv_step": "x"}}, "agentkv_step"),
+    ],
+)
+async def test_strict_mode_answers_400_naming_the_field(monkeypatch, headers, body, named):
+    monkeypatch.setenv("AGENTKV_STRICT", "1")
+    async with client(AgentKVMiddleware(echo_app)) as c:
+        response = await c.post("/v1/completions", json=body, headers=headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith(named)
+
+
+async def test_stats_and_events_reach_the_engine_runtime(runtime_endpoint):
+    middleware = AgentKVMiddleware(echo_app)
+    async with client(middleware) as c:
+        await c.post("/v1/completions", json=BODY, headers={**TAG, "X-AgentKV-Agent": "bad agent"})
+        stats = (await c.get(STATS_PATH)).json()
+        assert stats["malformed_metadata"] == {"X-AgentKV-Agent": 1}
+        assert stats["policy"] == "lru"
+        event = {"version": 1, "events": [{"type": "session_end", "session": "t1", "id": "e1"}]}
+        assert (await c.post(EVENTS_PATH, json=event)).json() == {"accepted": 1, "duplicates": 0}
+        assert (await c.post(EVENTS_PATH, json=event)).json() == {"accepted": 0, "duplicates": 1}
+        bad = await c.post(EVENTS_PATH, json={"version": 1, "events": [{"type": "nope"}]})
+        assert bad.status_code == 400
+        assert (await c.post(EVENTS_PATH, content=b"{")).status_code == 400
+        metrics = (await c.get("/metrics")).text
+    assert metrics.startswith("vllm:prefix_cache_queries_total 3.0\n")
+    assert "agentkv_predictability 0.0" in metrics
+    assert runtime_endpoint.facts.is_ended("t1")
+
+
+async def test_a_mute_engine_gives_503_not_500(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTKV_CONTROL", f"ipc://{tmp_path}/nobody.ipc")
+    middleware = AgentKVMiddleware(echo_app)
+    middleware.timeout = 0.2
+    async with client(middleware) as c:
+        assert (await c.get(STATS_PATH)).status_code == 503
+        assert (await c.post(EVENTS_PATH, json={"version": 1, "events": []})).status_code == 503
+        assert (await c.get("/metrics")).status_code == 200  # vLLM's own metrics still flow
