@@ -64,6 +64,8 @@ XARG_WARMUP: Final = "agentkv_warmup"
 
 STATS_PATH: Final = "/agentkv/v1/stats"
 EVENTS_PATH: Final = "/agentkv/v1/events"
+STATE_PATH: Final = "/agentkv/v1/state"
+MERGE_PATH: Final = "/agentkv/v1/merge"
 
 MAX_ID_LENGTH: Final = 128
 _ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")

@@ -6,8 +6,10 @@ import functools
 import logging
 import math
 import os
+import socket
 import threading
 import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from vllm.v1.request import Request
 from agentkv.graph import (
     GraphFacts,
     LearnerConfig,
+    PeerExport,
     Predictor,
     SurvivalConfig,
     SurvivalScorer,
@@ -61,6 +64,7 @@ class RuntimeConfig:
     decay: float = DEFAULT_DECAY
     untagged_survival: float = 0.5
     snapshot_path: str | None = None
+    replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> RuntimeConfig:
@@ -79,6 +83,7 @@ class RuntimeConfig:
             decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
             untagged_survival=_env_float(env, "AGENTKV_UNTAGGED_SURVIVAL", defaults.untagged_survival),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
+            replica=env.get("AGENTKV_REPLICA") or defaults.replica,
         )
 
 
@@ -95,6 +100,7 @@ class AgentKVRuntime:
         """``clock`` (seconds) drives recency and session expiry; replays pass simulated time."""
         self.config = config or RuntimeConfig()
         self.clock = clock
+        self.epoch = uuid.uuid4().hex  # a restarted replica's exports replace its old ones
         if self.config.snapshot_path:
             self.learner, self.facts = restore_or_fresh(self.config.snapshot_path, self.config.learner)
         else:
@@ -274,7 +280,21 @@ class AgentKVRuntime:
                 return self.stats()
             if op == "events":
                 return self.apply_events(request.get("payload"))
+            if op == "state":
+                return self.learner.export_counts(self.config.replica, self.epoch).to_json()
+            if op == "merge":
+                return self.merge(request.get("payload"))
             return {"error": f"unknown control op {op!r}"}
+
+    def merge(self, payload: object) -> dict[str, Any]:
+        """Merge another replica's exported counts (docs/protocol.md §2.3)."""
+        try:
+            export = PeerExport.from_json(payload if isinstance(payload, dict) else {})
+        except ValueError as exc:
+            return {"error": str(exc), "status": 400}
+        if export.replica == self.config.replica and export.epoch == self.epoch:
+            return {"merged": False, "reason": "own export"}
+        return {"merged": self.learner.merge_peer(export)}
 
     def apply_events(self, payload: object) -> dict[str, Any]:
         try:
@@ -327,7 +347,12 @@ class AgentKVRuntime:
             },
             "transitions": transitions,
             "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},
-            "learner": {"bytes": self.learner.state_bytes(), "agents": len(self.learner.agents)},
+            "learner": {
+                "bytes": self.learner.state_bytes(),
+                "agents": len(self.learner.agents),
+                "replica": self.config.replica,
+                "peers": self.learner.peers.replicas(),
+            },
             "facts": self.facts.export(),
             "malformed_metadata": dict(self.malformed.by_field),
             "config": {

@@ -5,19 +5,27 @@ in the JSON body, so the tag reaches the EngineCore as ``sampling_params.extra_a
 (2) validates tags as docs/protocol.md says (lenient by default, 400 with
 ``AGENTKV_STRICT=1``); (3) serves ``GET /agentkv/v1/stats`` and
 ``POST /agentkv/v1/events`` by asking the EngineCore over the control channel;
-(4) appends agentkv's counters to vLLM's Prometheus ``/metrics``.
+(4) appends agentkv's counters to vLLM's Prometheus ``/metrics``; (5) serves
+``GET /agentkv/v1/state`` / ``POST /agentkv/v1/merge`` and, with ``AGENTKV_PEERS``, pulls
+the other replicas' learned counts every ``AGENTKV_SYNC_INTERVAL`` seconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+import httpx
+
 from agentkv.protocol import (
     EVENTS_PATH,
+    MERGE_PATH,
+    STATE_PATH,
     STATS_PATH,
     XARG_AGENT,
     MalformedCounter,
@@ -51,14 +59,24 @@ class AgentKVMiddleware:
         self.endpoint = control_endpoint(os.getpid())
         self.timeout = 5.0  # seconds to wait for the engine's answer before a 503
         self.malformed = MalformedCounter(logger)
+        self.peers = [p.rstrip("/") for p in os.environ.get("AGENTKV_PEERS", "").split(",") if p.strip()]
+        self.sync_interval = float(os.environ.get("AGENTKV_SYNC_INTERVAL", "5"))
+        self.sync_failures: Counter[str] = Counter()  # per peer; the first failure is logged
+        self._sync_task: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.peers and self._sync_task is None:
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
         path, method = scope["path"], scope["method"]
         if path == STATS_PATH and method == "GET":
             await self._stats(send)
+        elif path == STATE_PATH and method == "GET":
+            await self._relay(send, {"op": "state"})
+        elif path == MERGE_PATH and method == "POST":
+            await self._merge(receive, send)
         elif path == EVENTS_PATH and method == "POST":
             await self._events(receive, send)
         elif path in _TAGGED_PATHS and method == "POST":
@@ -109,6 +127,7 @@ class AgentKVMiddleware:
         for field, count in self.malformed.by_field.items():
             merged[field] = merged.get(field, 0) + count
         stats["malformed_metadata"] = merged
+        stats["peer_sync_failures"] = dict(self.sync_failures)
         return stats
 
     async def _stats(self, send: Send) -> None:
@@ -148,6 +167,44 @@ class AgentKVMiddleware:
             await send({"type": "http.response.body", "body": body})
 
         await self.app(scope, receive, buffered)
+
+    async def _relay(self, send: Send, request: dict[str, Any]) -> None:
+        try:
+            reply = await ask(self.endpoint, request, self.timeout)
+        except ControlUnavailable as exc:
+            await _error(send, 503, str(exc))
+            return
+        if "error" in reply:
+            await _error(send, int(reply.get("status", 400)), reply["error"])
+        else:
+            await _json(send, 200, reply)
+
+    async def _merge(self, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive, limit=_MAX_EVENTS_BODY)
+        try:
+            payload = json.loads(body) if body is not None else None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            await _error(send, 400, f"merge body is not JSON: {exc}")
+            return
+        await self._relay(send, {"op": "merge", "payload": payload})
+
+    async def _sync_forever(self) -> None:
+        """Pull every peer's own counts and merge them into this replica's engine."""
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            while True:
+                for peer in self.peers:
+                    try:
+                        response = await client.get(peer + STATE_PATH)
+                        response.raise_for_status()
+                        reply = await ask(self.endpoint, {"op": "merge", "payload": response.json()}, self.timeout)
+                        if "error" in reply:
+                            raise ValueError(reply["error"])
+                    except (httpx.HTTPError, ControlUnavailable, ValueError) as exc:
+                        if not self.sync_failures[peer]:
+                            logger.warning("agentkv: cannot merge learned counts from %s (%s); retrying, "
+                                           "further failures are only counted", peer, exc)
+                        self.sync_failures[peer] += 1
+                await asyncio.sleep(self.sync_interval)
 
     async def _events(self, receive: Receive, send: Send) -> None:
         body = await _read_body(receive, limit=_MAX_EVENTS_BODY)

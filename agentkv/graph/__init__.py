@@ -5,6 +5,7 @@ Pure Python + numpy + networkx; shared by the client and the vLLM server extensi
 
 from ._facts import END, START, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
+from ._peers import PeerExport
 from ._predictor import ChainModel, Prediction, Predictor
 from ._snapshot import SNAPSHOT_VERSION, SnapshotError, load_snapshot, restore_or_fresh, save_snapshot
 from ._survival import (
@@ -25,6 +26,7 @@ __all__ = [
     "GraphFacts",
     "LearnerConfig",
     "Observation",
+    "PeerExport",
     "Prediction",
     "Predictor",
     "SnapshotError",

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._peers import PeerCounts, PeerExport
+
 __all__ = ["LearnerConfig", "Observation", "TransitionLearner", "transition_entropy_ratio"]
 
 # Decayed counts are stored multiplied by a growing weight so that forgetting costs O(1)
@@ -80,6 +82,7 @@ class TransitionLearner:
         self._predictions = 0
         self._correct = 0
         self._recent: deque[bool] = deque(maxlen=self.config.accuracy_window)
+        self.peers = PeerCounts()
         self.version = 0  # bumped on every change that alters the transition model
 
     # -- observing -----------------------------------------------------------------
@@ -227,18 +230,41 @@ class TransitionLearner:
         """Known agents, in index order (the order of matrix rows and columns)."""
         return list(self._names)
 
-    def counts(self) -> np.ndarray:
-        """Decayed transition counts among ``agents`` (row: from, column: to)."""
+    def _own(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(self._names)
-        return self._counts[:n, :n] / self._weight
+        return self._counts[:n, :n] / self._weight, self._entry[:n] / self._weight, self._ends[:n] / self._weight
+
+    def _merged(self, part: int) -> np.ndarray:
+        own = self._own()[part]
+        return own + self.peers.aligned(self._names)[part] if self.peers.version else own
+
+    def counts(self) -> np.ndarray:
+        """Decayed transition counts among ``agents`` (row: from, column: to), peers' included."""
+        return self._merged(0)
 
     def entry_counts(self) -> np.ndarray:
-        """Decayed counts of sessions starting at each of ``agents``."""
-        return self._entry[: len(self._names)] / self._weight
+        """Decayed counts of sessions starting at each of ``agents``, peers' included."""
+        return self._merged(1)
 
     def end_counts(self) -> np.ndarray:
-        """Decayed counts of sessions that ended right after each of ``agents``."""
-        return self._ends[: len(self._names)] / self._weight
+        """Decayed counts of sessions that ended right after each of ``agents``, peers' included."""
+        return self._merged(2)
+
+    # -- replicas ------------------------------------------------------------------
+
+    def export_counts(self, replica: str, epoch: str) -> PeerExport:
+        """This learner's own counts (never what it merged from peers), for other replicas."""
+        counts, entry, ends = self._own()
+        return PeerExport(replica, epoch, self.version, tuple(self._names), counts, entry, ends)
+
+    def merge_peer(self, export: PeerExport) -> bool:
+        """Take another replica's latest counts into the model; False if stale or a replay."""
+        if not self.peers.merge(export):
+            return False
+        for agent in export.agents:
+            self._intern(agent)
+        self.version += 1
+        return True
 
     def transition_matrix(self) -> np.ndarray:
         """P[i, j] = (C_ij + eps) / (sum_k (C_ik + eps) + E_i), in ``agents`` order.
@@ -311,11 +337,12 @@ class TransitionLearner:
     # -- persistence (see _snapshot.py) ---------------------------------------------
 
     def export_state(self) -> dict[str, object]:
+        own = self._own()  # peers' counts are theirs to persist
         return {
             "agents": self.agents,
-            "counts": self.counts().tolist(),
-            "entry": self.entry_counts().tolist(),
-            "ends": self.end_counts().tolist(),
+            "counts": own[0].tolist(),
+            "entry": own[1].tolist(),
+            "ends": own[2].tolist(),
             "dispatches": self._dispatches,
             "predictions": self._predictions,
             "correct": self._correct,

@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-from agentkv.protocol import EVENTS_PATH, STATS_PATH
+from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_PATH
 from server_patch._control import ControlServer
-from server_patch._runtime import AgentKVRuntime
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 from server_patch.middleware import AgentKVMiddleware
 
 pytestmark = pytest.mark.anyio
@@ -130,3 +130,30 @@ async def test_a_mute_engine_gives_503_not_500(tmp_path, monkeypatch):
         assert (await c.get(STATS_PATH)).status_code == 503
         assert (await c.post(EVENTS_PATH, json={"version": 1, "events": []})).status_code == 503
         assert (await c.get("/metrics")).status_code == 200  # vLLM's own metrics still flow
+
+
+async def test_state_export_and_merge_between_replicas(tmp_path, monkeypatch):
+    replicas = []
+    for name in ("r1", "r2"):
+        endpoint = f"ipc://{tmp_path}/{name}.ipc"
+        runtime = AgentKVRuntime(RuntimeConfig(replica=name))
+        replicas.append((runtime, ControlServer(endpoint, runtime.handle), endpoint))
+    (first, _, first_endpoint), (second, _, second_endpoint) = replicas
+    for _ in range(5):
+        first.learner.observe("coder", parent="planner")
+    try:
+        monkeypatch.setenv("AGENTKV_CONTROL", first_endpoint)
+        async with client(AgentKVMiddleware(echo_app)) as c:
+            state = (await c.get(STATE_PATH)).json()
+        assert state["replica"] == "r1" and state["agents"] == ["planner", "coder"]
+        monkeypatch.setenv("AGENTKV_CONTROL", second_endpoint)
+        async with client(AgentKVMiddleware(echo_app)) as c:
+            assert (await c.post(MERGE_PATH, json=state)).json() == {"merged": True}
+            assert (await c.post(MERGE_PATH, json=state)).json() == {"merged": False}  # idempotent
+            assert (await c.post(MERGE_PATH, json={"format": "x"})).status_code == 400
+            stats = (await c.get(STATS_PATH)).json()
+        assert stats["learner"]["peers"] == {"r1": state["sequence"]}
+        assert second.predictor.predict("planner").agent == "coder"
+    finally:
+        for _, server, _ in replicas:
+            server.close()
