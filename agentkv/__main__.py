@@ -49,6 +49,12 @@ def _serve(args: argparse.Namespace) -> None:
     serve.main(args.vllm_args)
 
 
+def _cluster(args: argparse.Namespace) -> None:
+    from agentkv import cluster
+
+    cluster.main(args.cluster_args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     serve = commands.add_parser("serve", help="start vLLM with the agentkv extension: agentkv serve MODEL [vllm args]")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="MODEL and any vLLM arguments")
     serve.set_defaults(run=_serve)
+    cluster = commands.add_parser("cluster", help="replicas behind vllm-router: agentkv cluster up|down ...")
+    cluster.add_argument("cluster_args", nargs=argparse.REMAINDER, help="up [options] MODEL [vllm args] | down")
+    cluster.set_defaults(run=_cluster)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench.add_parser("micro", help="learning-core microbenchmark").set_defaults(run=_bench_micro)
     args = parser.parse_args(argv)

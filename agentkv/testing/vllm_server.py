@@ -122,6 +122,7 @@ class VLLMServer:
         self.log_path = Path(log_path)
         self.stop_timeout = stop_timeout
         self._proc: subprocess.Popen[bytes] | None = None
+        self._launched_at = 0.0
         self.startup_seconds: float | None = None
 
     # -- properties ---------------------------------------------------------------------
@@ -146,11 +147,16 @@ class VLLMServer:
 
     def start(self, timeout: float = 300.0) -> VLLMServer:
         """Launch the server and block until ``/health`` answers 200."""
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> VLLMServer:
+        """Start the process without waiting (several servers can then start in parallel)."""
         if self._proc is not None:
             raise RuntimeError("VLLMServer.start() called twice")
         env = {**os.environ, **BASE_ENV, **self.spec.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
+        self._launched_at = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 self.spec.command(self._port),
@@ -161,6 +167,12 @@ class VLLMServer:
                 start_new_session=True,
             )
         atexit.register(self.stop)
+        return self
+
+    def wait_healthy(self, timeout: float = 300.0) -> VLLMServer:
+        """Block until ``/health`` answers 200; on failure stop and raise with the log."""
+        assert self._proc is not None, "launch() first"
+        t0 = self._launched_at
         deadline = t0 + timeout
         with httpx.Client(trust_env=False, timeout=2.0) as client:
             while True:

@@ -1,0 +1,247 @@
+"""``agentkv cluster up|down``: N vLLM replicas behind vllm-router, all on loopback.
+
+Each replica is a vLLM OpenAI server (with the agentkv extension, or vanilla for
+comparison) publishing KV events over ZMQ, so a KV-aware router sees the real cache
+contents whatever the eviction order. agentkv replicas also pull each other's learned
+transition counts (``AGENTKV_PEERS``). ``cluster up`` stays in the foreground and stops
+everything on Ctrl-C or SIGTERM; ``cluster down`` sends that SIGTERM and then makes sure
+every process it recorded is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentkv.testing.vllm_server import VLLMServer, free_port
+
+__all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
+
+POLICIES = ("kv_aware", "consistent_hash", "cache_aware", "round_robin")
+_HOST = "127.0.0.1"
+
+
+@dataclass
+class _Command:
+    """What VLLMServer runs: any command line that serves ``/health`` on ``port``."""
+
+    argv: Callable[[int], list[str]]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self, port: int) -> list[str]:
+        return self.argv(port)
+
+
+@dataclass
+class ClusterConfig:
+    """``vllm_args`` go to every replica; they must not set --host or --port."""
+
+    model: str
+    replicas: int = 2
+    policy: str = "kv_aware"
+    vanilla: bool = False
+    vllm_args: list[str] = field(default_factory=list)
+    router_port: int | None = None
+    sync_interval: float = 5.0
+    name: str = "default"
+    log_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown router policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        if {"--host", "--port"} & set(self.vllm_args):
+            raise ValueError("the cluster picks each replica's --host and --port itself")
+        if self.policy == "kv_aware" and "--block-size" not in self.vllm_args:
+            raise ValueError("kv_aware routing needs the replicas' --block-size (the router hashes blocks too)")
+
+    def _arg(self, flag: str, default: str) -> str:
+        args = self.vllm_args
+        return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else default
+
+    @property
+    def served_model_name(self) -> str:
+        return self._arg("--served-model-name", self.model)
+
+    @property
+    def block_size(self) -> int:
+        return int(self._arg("--block-size", "0"))
+
+
+class Cluster:
+    """Replicas first (the router waits for healthy workers), then the router.
+
+    Invariant: ``processes`` lists everything started, in start order; ``stop`` stops
+    them in reverse order and is idempotent.
+    """
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix=f"agentkv-cluster-{config.name}-"))
+        self.replica_ports = [free_port() for _ in range(config.replicas)]
+        self.replica_urls = [f"http://{_HOST}:{port}" for port in self.replica_ports]
+        # vLLM's publisher only binds wildcard endpoints and the router only reads tcp://HOST:PORT,
+        # so each replica publishes on tcp://*:port and the router subscribes on loopback.
+        self.event_ports = [free_port() for _ in range(config.replicas)]
+        self.router_port = config.router_port or free_port()
+        self.processes: list[VLLMServer] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{_HOST}:{self.router_port}"
+
+    def _replica(self, index: int) -> VLLMServer:
+        config = self.config
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.event_ports[index]}"}
+        module = "vllm.entrypoints.openai.api_server" if config.vanilla else "agentkv.serve"
+        env = {"HF_HUB_OFFLINE": "1"}
+        if not config.vanilla:
+            peers = [url for i, url in enumerate(self.replica_urls) if i != index]
+            env |= {
+                "AGENTKV_REPLICA": f"{config.name}-replica-{index}",
+                "AGENTKV_PEERS": ",".join(peers),
+                "AGENTKV_SYNC_INTERVAL": str(config.sync_interval),
+            }
+
+        def argv(port: int) -> list[str]:
+            return [sys.executable, "-m", module, "--model", config.model, *config.vllm_args,
+                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
+                    "--host", _HOST, "--port", str(port)]
+
+        return VLLMServer(_Command(argv, env), port=self.replica_ports[index],  # type: ignore[arg-type]
+                          log_path=self.log_dir / f"replica-{index}.log")
+
+    def _router(self) -> VLLMServer:
+        config = self.config
+        binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+
+        def argv(port: int) -> list[str]:
+            command = [binary, "--host", _HOST, "--port", str(port), "--policy", config.policy,
+                       "--worker-urls", *self.replica_urls, "--worker-startup-timeout-secs", "600"]
+            if config.policy == "kv_aware":
+                for url, events_port in zip(self.replica_urls, self.event_ports, strict=True):
+                    command += ["--kv-event-source", f"{url}=tcp://{_HOST}:{events_port}"]
+                command += ["--kv-event-model", config.served_model_name,
+                            "--kv-event-block-size", str(config.block_size)]
+            return command
+
+        return VLLMServer(_Command(argv), port=self.router_port,  # type: ignore[arg-type]
+                          log_path=self.log_dir / "router.log")
+
+    def start(self, timeout: float = 600.0) -> Cluster:
+        try:
+            replicas = [self._replica(i) for i in range(self.config.replicas)]
+            for replica in replicas:  # launch together, wait together: start-up overlaps
+                self.processes.append(replica.launch())
+            for replica in replicas:
+                replica.wait_healthy(timeout)
+            self.processes.append(self._router().start(timeout))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        while self.processes:
+            self.processes.pop().stop()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _state_file(name: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"agentkv-cluster-{name}.json"
+
+
+def _up(args: argparse.Namespace) -> None:
+    if not args.vllm_args:
+        sys.exit("usage: agentkv cluster up [--replicas N] [--router-policy P] [--vanilla] MODEL [vllm args]")
+    model, *vllm_args = args.vllm_args
+    config = ClusterConfig(model, args.replicas, args.router_policy, args.vanilla, vllm_args,
+                           args.port, args.sync_interval, args.name)
+    state = _state_file(config.name)
+    if state.exists():
+        sys.exit(f"a cluster named {config.name!r} is already up ({state}); run `agentkv cluster down` first")
+    stopping = False
+
+    def request_stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    cluster = Cluster(config)
+    try:
+        cluster.start()
+        state.write_text(json.dumps({"pid": os.getpid(), "router": cluster.url, "replicas": cluster.replica_urls,
+                                     "pgids": [p.pid for p in cluster.processes], "logs": str(cluster.log_dir)}))
+        kind = "vanilla" if config.vanilla else "agentkv"
+        print(f"cluster {config.name!r}: {config.replicas} {kind} replicas {' '.join(cluster.replica_urls)} "
+              f"behind vllm-router ({config.policy}) at {cluster.url}; logs in {cluster.log_dir}", flush=True)
+        while not stopping:
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
+        state.unlink(missing_ok=True)
+
+
+def _down(args: argparse.Namespace) -> None:
+    state = _state_file(args.name)
+    if not state.exists():
+        print(f"no cluster named {args.name!r} is up")
+        return
+    recorded = json.loads(state.read_text())
+    try:
+        os.kill(recorded["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and _alive(recorded["pid"]):
+        time.sleep(0.5)
+    for pgid in recorded["pgids"]:  # the foreground process is gone: make sure its children are too
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    state.unlink(missing_ok=True)
+    print(f"cluster {args.name!r} stopped")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="agentkv cluster", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start replicas and the router (foreground; Ctrl-C stops)")
+    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--router-policy", choices=POLICIES, default="kv_aware")
+    up.add_argument("--vanilla", action="store_true", help="replicas without the agentkv extension")
+    up.add_argument("--port", type=int, default=None, help="router port (default: a free one)")
+    up.add_argument("--sync-interval", type=float, default=5.0, help="seconds between learned-state merges")
+    up.add_argument("--name", default="default")
+    up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="MODEL and vLLM arguments for every replica")
+    up.set_defaults(run=_up)
+    down = commands.add_parser("down", help="stop what `cluster up` started")
+    down.add_argument("--name", default="default")
+    down.set_defaults(run=_down)
+    args = parser.parse_args(argv)
+    args.run(args)
