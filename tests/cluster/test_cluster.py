@@ -69,7 +69,8 @@ def test_warmup_lands_on_the_replica_that_serves_the_predicted_call(cluster):
     anchor = _tokens(f"anchor-reviewer-{time.time_ns()}", 8 * BLOCK)  # cold everywhere
     with httpx.Client(base_url=cluster.url, timeout=120, trust_env=False) as client:
         _complete(client, anchor, AgentTag("reviewer", "warm-1", warmup=True))
-        hit = _complete(client, anchor + _tokens("history-warm-1", 2 * BLOCK), AgentTag("reviewer", "warm-1", "coder", 3))
+        real_call = AgentTag("reviewer", "warm-1", "coder", 3)
+        hit = _complete(client, anchor + _tokens("history-warm-1", 2 * BLOCK), real_call)
     assert hit >= len(anchor) // BLOCK * BLOCK - BLOCK  # the whole anchor, save a partial last block
 
 
