@@ -1,1 +1,26 @@
-"""Background anchor warm-up coordinator."""
+"""Background anchor warm-up coordinator.
+
+    from agentkv.warmup import WarmupCoordinator
+
+    with WarmupCoordinator("http://127.0.0.1:8000"):
+        app.invoke(...)            # any instrumented LangGraph / AutoGen / agentkv.agent() code
+
+After each dispatch the coordinator predicts the next agent and, in the background, re-prefills
+that agent's *anchor* (the exact prefix its calls share, captured from its real requests) with a
+``max_tokens=1`` warm-up request. See ``docs/frameworks.md`` ("Warm-up").
+"""
+
+from ._anchors import Anchor, AnchorBook, Divergence, common_prefix
+from ._coordinator import TokenBucket, WarmupCoordinator
+from ._responses import TaggedResponse, on_response
+
+__all__ = [
+    "Anchor",
+    "AnchorBook",
+    "Divergence",
+    "TaggedResponse",
+    "TokenBucket",
+    "WarmupCoordinator",
+    "common_prefix",
+    "on_response",
+]

@@ -1,0 +1,67 @@
+"""Helpers for the end-to-end tests against the real ``agentkv_server`` fixture (tiny model, 32-token blocks)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from agentkv.protocol import STATS_PATH
+
+BLOCK = 32
+MAX_PROMPT = 2040  # max_model_len 2048 with max_tokens 1: 64 blocks
+
+
+def stats(base_url: str) -> dict[str, Any]:
+    response = httpx.get(base_url + STATS_PATH, trust_env=False, timeout=30)
+    response.raise_for_status()
+    return response.json()
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``check`` until true (background event delivery is asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def instructions(role: str, run: str, sentences: int = 24) -> str:
+    """A long, unique system prompt (its first block already differs between runs and roles)."""
+    rng = random.Random(f"{role}-{run}")
+    words = ["plan", "check", "write", "verify", "state", "list", "keep", "short", "exact", "steps", "code", "tests"]
+    body = " ".join(" ".join(rng.choice(words) for _ in range(9)) + "." for _ in range(sentences))
+    return f"[{run}] You are the {role}. {body}"
+
+
+def fill_cache(base_url: str, seed: str, prompts: int = 2) -> None:
+    """Evict what is not protected: untagged prompts of 64 blocks each, unique to ``seed``.
+
+    With 80 usable blocks, the second prompt leaves at most 16 blocks of anything older than the
+    first; blocks of ended sessions (retired) and older blocks go first under both policies.
+    """
+    with httpx.Client(base_url=base_url, trust_env=False, timeout=120) as client:
+        for i in range(prompts):
+            rng = random.Random(f"fill-{seed}-{i}")
+            prompt = [rng.randrange(10, 4000) for _ in range(MAX_PROMPT)]
+            client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}).raise_for_status()
+
+
+def cached_tokens(message: Any) -> int:
+    """``cached_tokens`` of a langchain-openai ``AIMessage``."""
+    usage = message.response_metadata["token_usage"]
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def learned(snapshot: dict[str, Any], agent: str, successor: str) -> bool:
+    """Whether the server's most likely next agent after ``agent`` is ``successor``, by far.
+
+    Rows are smoothed over every agent the transition may reach, including undeclared agents that
+    other tests sent to the same server, so the probability itself depends on the test order.
+    """
+    row = snapshot["transitions"][agent]
+    others = [p for a, p in row.items() if a != successor]
+    return row.get(successor, 0.0) >= 5 * max(others, default=0.0) and row.get(successor, 0.0) > 0.5

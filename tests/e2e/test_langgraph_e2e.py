@@ -1,0 +1,105 @@
+"""A LangGraph app on the real agentkv server: the server learns its agents, sessions and transitions,
+and the client-side anchors agree with the server's anchor lengths."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, TypedDict
+
+import httpx
+import pytest
+
+pytest.importorskip("langgraph")
+
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from langgraph.graph import END, START, StateGraph
+
+import agentkv
+from agentkv.warmup import AnchorBook
+
+from ._util import BLOCK, cached_tokens, instructions, learned, stats, wait_for
+
+pytestmark = pytest.mark.server
+
+SESSIONS = 3
+
+
+class State(TypedDict):
+    task: str
+    rounds: int
+
+
+@tool
+def run_tests(path: str) -> str:
+    """Run the test suite under a path and report failures."""
+    return "ok"
+
+
+def build(base_url: str, run: str, seen: dict[str, list[int]]) -> Any:
+    llm = ChatOpenAI(base_url=base_url + "/v1", api_key="x", model="tiny", max_tokens=1, temperature=0)
+    # The server has no tool-call parser: tool_choice="none" still renders the tools into the prompt.
+    coder_llm = llm.bind_tools([run_tests], tool_choice="none")
+
+    def node(role: str, model: Any) -> Any:
+        def run_node(state: State) -> dict[str, Any]:
+            reply = model.invoke([SystemMessage(instructions(role, run)),
+                                  HumanMessage(f"{state['task']} (round {state['rounds']})")])
+            seen.setdefault(role, []).append(cached_tokens(reply))
+            return {"rounds": state["rounds"] + (role == "reviewer")}
+
+        return run_node
+
+    builder = StateGraph(State)
+    builder.add_node("planner", node("planner", llm))
+    builder.add_node("coder", node("coder", coder_llm))
+    builder.add_node("reviewer", node("reviewer", llm))
+    builder.add_edge(START, "planner")
+    builder.add_edge("planner", "coder")
+    builder.add_edge("coder", "reviewer")
+    # Deterministic routing in Python (the tiny model's output is noise): one revision, then done.
+    builder.add_conditional_edges("reviewer", lambda s: "coder" if s["rounds"] < 2 else END, ["coder", END])
+    names = {node: f"{node}-{run}" for node in ("planner", "coder", "reviewer")}
+    return agentkv.instrument(builder.compile(), agent_names=names, events_url=base_url), names
+
+
+def test_langgraph_app_is_learned_by_the_server(agentkv_server) -> None:
+    base = agentkv_server.base_url
+    run = uuid.uuid4().hex[:8]
+    seen: dict[str, list[int]] = {}
+    app, names = build(base, run, seen)
+    book = AnchorBook(base_url=base, block_size=BLOCK).attach()
+    before = stats(base)
+    try:
+        for s in range(SESSIONS):
+            app.invoke({"task": f"feature {s}", "rounds": 0}, {"configurable": {"thread_id": f"lg-{run}-{s}"}})
+    finally:
+        book.detach()
+    wait_for(lambda: stats(base)["sessions"]["ended"] >= before["sessions"]["ended"] + SESSIONS, "3 session ends")
+    after = stats(base)
+
+    planner, coder, reviewer = names["planner"], names["coder"], names["reviewer"]
+    assert {planner, coder, reviewer} <= set(after["agents"])
+    assert after["dispatches"] - before["dispatches"] == SESSIONS * 5  # planner, (coder, reviewer) x 2
+    assert not any(s.startswith(f"lg-{run}") for s in after["sessions"]["current"])  # all ended
+    assert {planner, coder, reviewer} <= set(after["facts"]["nodes"])
+    assert learned(after, planner, coder) and learned(after, coder, reviewer)
+    assert max(after["transitions"][reviewer], key=after["transitions"][reviewer].get) == coder
+    # every session after the first reuses each agent's anchor from the prefix cache
+    assert all(hit >= BLOCK for role in seen for hit in seen[role][2:])
+    assert after["agents"][coder]["hits"] > 0
+
+    # The client's anchors (token prefix shared by two sessions, via POST /tokenize) are the server's
+    # anchors (block-hash prefix shared by two sessions), block for block.
+    with httpx.Client(base_url=base, trust_env=False, timeout=30) as client:
+        def tokenize(payload: Any) -> list[int]:
+            response = client.post("/tokenize", json=payload)
+            response.raise_for_status()
+            return response.json()["tokens"]
+
+        for agent in (planner, coder, reviewer):
+            anchor = book.resolve(agent, tokenize)
+            assert anchor is not None and anchor.source == "cross-session"
+            assert anchor.blocks == after["agents"][agent]["anchor_length_blocks"] >= 8, agent
+    assert book.divergences() == {}

@@ -1,0 +1,469 @@
+"""WarmupCoordinator against an in-process fake vLLM: gates, rate limit, queue, errors, usefulness."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import respx
+from openai import OpenAI
+
+import agentkv
+from agentkv.frameworks import tracker, use_tag
+from agentkv.graph import TransitionLearner
+from agentkv.protocol import AgentTag
+from agentkv.warmup import TaggedResponse, TokenBucket, WarmupCoordinator, on_response
+
+from ._fake_vllm import BASE, FakeVLLM
+
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search.",
+                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def system(agent: str) -> str:
+    return f"{agent}: you are {agent}. Follow the {agent} rules exactly; keep answers short and precise. " * 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def fake() -> FakeVLLM:
+    return FakeVLLM(block_size=16)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def client(fake: FakeVLLM) -> OpenAI:
+    return OpenAI(base_url=BASE + "/v1", api_key="x", http_client=fake.client(), max_retries=0)
+
+
+@pytest.fixture
+def run_id() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def make(fake: FakeVLLM, clock: Clock, **kwargs: Any) -> WarmupCoordinator:
+    kwargs.setdefault("learner", TransitionLearner())
+    return WarmupCoordinator(BASE, transport=fake.transport(), clock=clock, **kwargs)
+
+
+def call(client: OpenAI, agent: str, session: str, **kwargs: Any) -> Any:
+    messages = [{"role": "system", "content": system(agent)}, {"role": "user", "content": f"task of {session}"}]
+    return client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none", **kwargs)
+
+
+def tagged_call(client: OpenAI, agent: str, sid: str) -> Any:
+    """A tagged call that is not a dispatch (no dispatch-end job): only anchors and last use are learned."""
+    with use_tag(AgentTag(agent, session=sid)):
+        return call(client, agent, sid)
+
+
+def wait_for_warmups(fake: FakeVLLM, n: int) -> None:
+    """Until the fake received ``n`` warm-ups (the worker is then inside the n-th, if the fake holds it)."""
+    deadline = time.monotonic() + 5
+    while len(fake.warmups()) < n:
+        assert time.monotonic() < deadline, "the warm-up never arrived"
+        time.sleep(0.005)
+
+
+def session(client: OpenAI, coord: WarmupCoordinator, clock: Clock, agents: list[str], sid: str) -> list[Any]:
+    """One session: each agent is a dispatch; the pause after it lets the coordinator finish its job."""
+    results = []
+    for agent in agents:
+        with agentkv.agent(agent, session=sid):
+            results.append(call(client, agent, sid))
+        clock.advance(10)  # well past fresh_seconds: the anchors count as cold again
+        assert coord.flush(5)
+    return results
+
+
+def cached(result: Any) -> int:
+    return result.usage.prompt_tokens_details.cached_tokens
+
+
+# --------------------------------------------------------------------------------------
+# The whole loop
+# --------------------------------------------------------------------------------------
+
+
+def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    with make(fake, clock) as coord:
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        assert fake.warmups() == []  # nothing learned yet
+        fake.evict_all()
+        first, second = session(client, coord, clock, [planner, coder], f"b-{run_id}")
+        stats = coord.stats()
+
+    [warm] = fake.warmups()
+    anchor = coord.anchors.anchor(coder)
+    assert warm.path == "/v1/completions"
+    assert warm.body["prompt"] == list(anchor.tokens) and warm.body["max_tokens"] == 1
+    assert warm.headers["x-agentkv-agent"] == coder and "x-agentkv-session" not in warm.headers
+    assert anchor.length > 0 and anchor.length % 16 == 0
+    assert cached(first) == 0  # the planner was not warmed: cold after the eviction
+    assert cached(second) >= anchor.length  # the coder was
+    assert stats["sent"] == 1 and stats["useful"] == 1 and stats["failed"] == 0
+    assert stats["predictions"] == {"right": 1, "wrong": 0}
+    assert stats["recent"][0] | {"seconds": 0} == {
+        "agent": coder, "after": planner, "session": f"b-{run_id}", "anchor_tokens": anchor.length,
+        "source": anchor.source, "cached_tokens": 0, "prompt_tokens": anchor.length, "seconds": 0,
+        "next_call_cached_tokens": cached(second)}
+    assert stats["anchors"][coder]["stable"] is True
+
+
+def test_server_side_prediction_and_block_size(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    planner, coder, critic = f"planner-{run_id}", f"coder-{run_id}", f"critic-{run_id}"
+    fake.transitions = {planner: {coder: 0.7, critic: 0.3}}
+    fake.predictability = 0.6
+    with make(fake, clock, learner=None, stats_interval=1000) as coord:
+        coord.anchors.block_size = 64  # replaced by the server's block size (16)
+        session(client, coord, clock, [coder, critic], f"a-{run_id}")
+        session(client, coord, clock, [planner], f"b-{run_id}")
+        stats = coord.stats()
+    [warm] = fake.warmups()
+    assert warm.headers["x-agentkv-agent"] == coder
+    assert len(warm.body["prompt"]) % 16 == 0 and len(warm.body["prompt"]) % 64 != 0
+    assert fake.count("/agentkv/v1/stats") == 1  # cached for stats_interval (the fake clock stands still)
+    assert stats["skipped"]["no_prediction"] == 2  # coder and critic have no learned successor
+
+
+# --------------------------------------------------------------------------------------
+# Gates
+# --------------------------------------------------------------------------------------
+
+
+def test_predictability_gate(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    learner = TransitionLearner()
+    names = [f"a-{run_id}", f"b-{run_id}", f"c-{run_id}"]
+    for i, (x, y) in enumerate((x, y) for x in names for y in names if x != y):
+        learner.observe(x, f"train-{i}", "")
+        learner.observe(y, f"train-{i}")
+    assert learner.predictability() < 0.5
+    with make(fake, clock, learner=learner, r_min=0.5) as coord:
+        session(client, coord, clock, names[:2], f"s-{run_id}")
+        stats = coord.stats()
+    assert stats["sent"] == 0 and stats["skipped"]["predictability"] == 2
+
+
+def test_no_prediction_and_no_anchor(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    planner = f"planner-{run_id}"
+    fake.transitions = {planner: {f"ghost-{run_id}": 1.0}}
+    with make(fake, clock, learner=None) as coord:
+        session(client, coord, clock, [planner, f"other-{run_id}"], f"s-{run_id}")
+        stats = coord.stats()
+    assert stats["skipped"] == {"no_anchor": 1, "no_prediction": 1}  # the ghost never called: nothing to warm
+
+
+def test_fresh_gate(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    coder = f"coder-{run_id}"
+    with make(fake, clock, fresh_seconds=30) as coord:
+        tagged_call(client, coder, f"s-{run_id}")
+        coord.warm(coder)  # just used: still warm
+        assert coord.flush(5)
+        clock.advance(31)
+        coord.warm(coder)
+        assert coord.flush(5)
+        coord.warm(coder)  # just warmed
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["sent"] == 1 and stats["skipped"] == {"fresh": 2}
+
+
+def test_rate_limit_token_bucket(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    agents = [f"x{i}-{run_id}" for i in range(4)]
+    with make(fake, clock, max_per_second=0.5, burst=2, fresh_seconds=0) as coord:
+        for agent in agents:
+            tagged_call(client, agent, f"s-{run_id}")
+        for agent in agents:
+            coord.warm(agent)
+        assert coord.flush(5)
+        assert coord.stats()["sent"] == 2 and coord.stats()["skipped"] == {"rate_limit": 2}
+        clock.advance(2.0)  # one token back
+        coord.warm(agents[2])
+        coord.warm(agents[3])
+        assert coord.flush(5)
+        assert coord.stats()["sent"] == 3 and coord.stats()["skipped"] == {"rate_limit": 3}
+
+
+def test_already_warm_is_counted(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    coder = f"coder-{run_id}"
+    with make(fake, clock, fresh_seconds=0) as coord:
+        tagged_call(client, coder, f"s-{run_id}")
+        fake.evict_all()
+        coord.warm(coder)
+        coord.warm(coder)  # the first one left it cached
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["sent"] == 2 and stats["already_warm"] == 1
+    assert [r["cached_tokens"] for r in stats["recent"]] == [0, stats["recent"][0]["anchor_tokens"] - 16]
+
+
+def test_token_bucket() -> None:
+    clock = Clock()
+    bucket = TokenBucket(rate=2.0, capacity=3, clock=clock)
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    clock.advance(0.5)
+    assert bucket.take() and not bucket.take()
+    clock.advance(100)
+    assert sum(bucket.take() for _ in range(10)) == 3
+
+
+def test_busy_gate_reads_metrics_at_most_every_interval(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
+) -> None:
+    coder = f"coder-{run_id}"
+    fake.waiting = 2
+    with make(fake, clock, fresh_seconds=0, max_per_second=100, burst=100) as coord:
+        tagged_call(client, coder, f"s-{run_id}")
+        for _ in range(3):
+            coord.warm(coder)
+        assert coord.flush(5)
+        assert coord.stats()["skipped"] == {"busy": 3} and fake.count("/metrics") == 1
+        fake.waiting = 0
+        clock.advance(0.6)
+        coord.warm(coder)
+        assert coord.flush(5)
+        assert coord.stats()["sent"] == 1 and fake.count("/metrics") == 2
+    fake.running = 5
+    with make(fake, clock, fresh_seconds=0, max_load=4) as coord:
+        tagged_call(client, coder, f"t-{run_id}")
+        coord.warm(coder)
+        assert coord.flush(5)
+        assert coord.stats()["skipped"] == {"busy": 1}
+
+
+def test_late_and_ended_sessions_are_skipped(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    fake.gate = threading.Event()
+    with make(fake, clock, max_per_second=100, burst=100) as coord:
+        fake.gate.set()
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        fake.gate.clear()
+        coord.warm(planner)
+        wait_for_warmups(fake, 1)  # the worker now waits inside this warm-up
+        # session b: the coder starts before the worker gets to the job queued at the planner's end
+        with agentkv.agent(planner, session=f"b-{run_id}"):
+            call(client, planner, f"b-{run_id}")
+        with agentkv.agent(coder, session=f"b-{run_id}"):
+            call(client, coder, f"b-{run_id}")
+        # session c: ends before the worker gets to its job
+        with agentkv.agent(planner, session=f"c-{run_id}"):
+            call(client, planner, f"c-{run_id}")
+        tracker().end_session(f"c-{run_id}")
+        clock.advance(10)
+        fake.gate.set()
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["skipped"]["late"] == 1 and stats["skipped"]["session_ended"] >= 1
+    assert [w.headers["x-agentkv-agent"] for w in fake.warmups()] == [planner]
+
+
+def test_bounded_queue_drops_the_oldest(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    agents = [f"x{i}-{run_id}" for i in range(6)]
+    fake.gate = threading.Event()
+    with make(fake, clock, queue_size=2, fresh_seconds=0, max_per_second=100, burst=100) as coord:
+        for agent in agents:
+            tagged_call(client, agent, f"s-{run_id}")
+        coord.warm(agents[0])
+        wait_for_warmups(fake, 1)  # the worker is inside warm-up 0
+        for agent in agents[1:]:
+            coord.warm(agent)  # never blocks, even with the worker stuck
+        fake.gate.set()
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["dropped"] == 3 and stats["sent"] == 3
+    assert [w.headers["x-agentkv-agent"] for w in fake.warmups()] == [agents[0], agents[4], agents[5]]
+
+
+# --------------------------------------------------------------------------------------
+# Errors never reach the user
+# --------------------------------------------------------------------------------------
+
+
+def test_failed_warmups_are_counted_and_logged_once(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="agentkv.warmup")
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    fake.fail["/v1/completions"] = 500
+    with make(fake, clock) as coord:
+        for s in range(4):
+            results = session(client, coord, clock, [planner, coder], f"{s}-{run_id}")
+            assert all(r.choices[0].message.content == "ok" for r in results)  # the app is unaffected
+        stats = coord.stats()
+    assert stats["failed"] == 3 and stats["sent"] == 0
+    assert stats["errors"] == {"warm-up POST /v1/completions": 3}
+    assert len([r for r in caplog.records if "warm-up POST" in r.getMessage()]) == 1
+
+
+def test_unreachable_server_and_slow_warmups_cost_the_app_nothing(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
+) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    # The coordinator talks to the network (respx intercepts it); the app's own client is the fake.
+    with respx.mock(base_url=BASE, assert_all_called=False) as router:
+        router.post("/tokenize").mock(side_effect=httpx.ConnectError("refused"))
+        router.get("/metrics").mock(side_effect=httpx.ConnectError("refused"))
+        router.route().mock(side_effect=httpx.ConnectError("refused"))
+        with WarmupCoordinator(BASE, learner=TransitionLearner(), clock=clock, timeout=0.5) as coord:
+            for s in range(3):
+                session(client, coord, clock, [planner, coder], f"{s}-{run_id}")
+            stats = coord.stats()
+    assert stats["sent"] == 0 and stats["skipped"]["no_anchor"] == 2
+    assert stats["errors"]["POST /tokenize"] == 2
+
+    fake.gate = threading.Event()  # warm-ups hang until released
+    with make(fake, clock) as coord:
+        session(client, coord, clock, [planner, coder], f"slow-a-{run_id}")
+        with agentkv.agent(planner, session=f"slow-b-{run_id}"):
+            call(client, planner, f"slow-b-{run_id}")
+        wait_for_warmups(fake, 1)  # the coder's warm-up is in flight and stuck
+        started = time.perf_counter()
+        with agentkv.agent(coder, session=f"slow-b-{run_id}"):
+            call(client, coder, f"slow-b-{run_id}")
+        with agentkv.agent(planner, session=f"slow-b-{run_id}"):
+            call(client, planner, f"slow-b-{run_id}")
+        elapsed = time.perf_counter() - started
+        fake.gate.set()
+    assert elapsed < 0.5, "a slow warm-up never delays the application"
+
+
+def test_listener_errors_stay_inside(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    class Broken:
+        def observe(self, *args: Any) -> None:
+            raise RuntimeError("learner bug")
+
+        def predict(self, agent: str) -> None:
+            raise RuntimeError("learner bug")
+
+        learner = None
+
+    with make(fake, clock, learner=Broken()) as coord:
+        results = session(client, coord, clock, [f"a-{run_id}", f"b-{run_id}"], f"s-{run_id}")
+        stats = coord.stats()
+    assert len(results) == 2
+    assert stats["errors"]["client-side prediction"] == 2 and stats["skipped"]["no_prediction"] == 2
+
+
+# --------------------------------------------------------------------------------------
+# Usefulness
+# --------------------------------------------------------------------------------------
+
+
+def test_not_useful_unmeasured_and_unused(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    with make(fake, clock, useful_window=60) as coord:
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        session(client, coord, clock, [planner], f"b-{run_id}")
+        fake.evict_all()  # something evicted the warmed anchor before the coder came
+        with agentkv.agent(coder, session=f"b-{run_id}"):
+            call(client, coder, f"b-{run_id}")
+        assert coord.stats()["not_useful"] == 1
+        clock.advance(10)
+        session(client, coord, clock, [planner], f"c-{run_id}")
+        with agentkv.agent(coder, session=f"c-{run_id}"):
+            stream = call(client, coder, f"c-{run_id}", stream=True)  # no usage in a stream
+            list(stream)
+        assert coord.stats()["unmeasured"] == 1
+        clock.advance(10)
+        session(client, coord, clock, [planner], f"d-{run_id}")  # the coder never comes
+        assert coord.stats()["pending"] == 1 and coord.stats()["unused"] == 0
+        clock.advance(61)
+        stats = coord.stats()
+    assert stats["sent"] == 3 and stats["unused"] == 1 and stats["useful"] == 0
+
+
+def test_chat_replay_when_the_server_cannot_tokenize(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    fake.tokenize_status = 404
+    with make(fake, clock) as coord:
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        fake.evict_all()
+        _, second = session(client, coord, clock, [planner, coder], f"b-{run_id}")
+        stats = coord.stats()
+    [warm] = fake.warmups()
+    assert warm.path == "/v1/chat/completions"
+    assert warm.body["messages"] == [{"role": "system", "content": system(coder)}]
+    assert warm.body["tools"] == TOOLS and warm.body["tool_choice"] == "none"
+    assert warm.body["add_generation_prompt"] is False and warm.body["max_tokens"] == 1
+    assert stats["mode"] == "chat" and stats["useful"] == 1
+    assert cached(second) == stats["recent"][0]["anchor_tokens"] > 0
+
+
+def test_close_unsubscribes(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    coord = make(fake, clock).start()
+    assert coord.start() is coord
+    coord.close()
+    coord.close()
+    session(client, coord, clock, [f"a-{run_id}", f"b-{run_id}"], f"s-{run_id}")
+    assert coord.anchors.agents() == [] and coord.stats()["queued"] == 0
+
+
+# --------------------------------------------------------------------------------------
+# Response observation
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def responses() -> Iterator[list[TaggedResponse]]:
+    seen: list[TaggedResponse] = []
+    unsubscribe = on_response(seen.append)
+    yield seen
+    unsubscribe()
+
+
+def test_responses_of_tagged_calls_are_reported(fake: FakeVLLM, client: OpenAI, responses: list[TaggedResponse],
+                                                 run_id: str) -> None:
+    call(client, "untagged", "s")
+    with agentkv.agent(f"coder-{run_id}", session=f"s-{run_id}"):
+        call(client, f"coder-{run_id}", "s")
+        call(client, f"coder-{run_id}", "s")
+        list(call(client, f"coder-{run_id}", "s", stream=True))
+    assert [(r.tag.agent, r.cached_tokens is not None, r.streamed) for r in responses] == [
+        (f"coder-{run_id}", True, False), (f"coder-{run_id}", True, False), (f"coder-{run_id}", False, True)]
+    assert responses[1].cached_tokens > 0 and responses[1].prompt_tokens > responses[1].cached_tokens
+
+
+def test_streaming_responses_are_left_untouched(fake: FakeVLLM, client: OpenAI, responses: list[TaggedResponse],
+                                                 run_id: str) -> None:
+    messages = [{"role": "system", "content": system("x")}, {"role": "user", "content": "hi"}]
+    with agentkv.agent(f"coder-{run_id}", session=f"s-{run_id}"):
+        with client.chat.completions.with_streaming_response.create(model="tiny", messages=messages) as raw:
+            assert raw.parse().choices[0].message.content == "ok"  # the body was not consumed by agentkv
+        raw_response = client.chat.completions.with_raw_response.create(model="tiny", messages=messages)
+        assert raw_response.parse().usage.prompt_tokens_details.cached_tokens > 0
+    assert [r.cached_tokens is None for r in responses] == [True, False]
+
+
+def test_async_responses_are_reported(fake: FakeVLLM, responses: list[TaggedResponse], run_id: str) -> None:
+    from openai import AsyncOpenAI
+
+    async def main() -> None:
+        client = AsyncOpenAI(base_url=BASE + "/v1", api_key="x",
+                             http_client=httpx.AsyncClient(transport=httpx.MockTransport(fake.handle)))
+        async with agentkv.agent(f"coder-{run_id}", session=f"s-{run_id}"):
+            await client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=1)
+
+    asyncio.run(main())
+    assert [r.tag.agent for r in responses] == [f"coder-{run_id}"]
