@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from agentkv.protocol import HEADER_AGENT, MAX_ID_LENGTH, AgentTag
+from agentkv.protocol import HEADER_AGENT, HEADER_VLLM_SESSION, MAX_ID_LENGTH, AgentTag
 
 __all__ = [
     "UNSET",
@@ -50,7 +50,9 @@ __all__ = [
     "on_dispatch_end",
     "on_request",
     "on_session_end",
+    "routing_header",
     "sanitize_id",
+    "set_routing_key",
     "stats",
     "tracker",
     "uninstall",
@@ -477,6 +479,7 @@ def _tag_options(client: Any, options: Any) -> None:
             return  # the caller tagged this request explicitly: theirs wins
         merged = dict(existing)
         merged.update(tag.to_headers())
+        merged.update(routing_header(tag.agent, tag.session))
         options.headers = merged  # a new mapping: the caller's extra_headers stay untouched
         _COUNTS["tagged_requests"] += 1
         if _request_listeners:
@@ -512,6 +515,28 @@ def _wrap_async(original: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(_prepare_options, _PATCH_MARK, original)
     return _prepare_options
+
+
+_ROUTING_KEYS: Final = ("session", "agent")
+_routing_key = "session"
+
+
+def set_routing_key(key: str) -> None:
+    """What ``X-Session-ID`` carries, i.e. what a router's session affinity groups by.
+
+    ``"session"`` (default) keeps a session's history on one replica; ``"agent"`` keeps each
+    agent's anchor on one replica. The agentkv tag itself is unchanged either way.
+    """
+    global _routing_key
+    if key not in _ROUTING_KEYS:
+        raise ValueError(f"routing key must be one of {_ROUTING_KEYS}, not {key!r}")
+    _routing_key = key
+
+
+def routing_header(agent: str, session: str | None) -> dict[str, str]:
+    """``X-Session-ID`` for a request of ``agent`` in ``session`` under the current routing key."""
+    value = agent if _routing_key == "agent" else session
+    return {HEADER_VLLM_SESSION: value} if value else {}
 
 
 def install() -> bool:

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agentkv.frameworks._context import Dispatch, ErrorCounter, TaggedRequest, learner_listener
+from agentkv.frameworks._context import Dispatch, ErrorCounter, TaggedRequest, learner_listener, routing_header
 from agentkv.protocol import STATS_PATH, AgentTag
 
 from . import _responses
@@ -523,7 +523,8 @@ class WarmupCoordinator:
 
     def _send(self, agent: str, anchor: Anchor, job: _Job) -> None:
         model = self.model or anchor.model
-        headers = AgentTag(agent, warmup=True).to_headers()
+        # through a router, the warm-up must take the path the predicted call will take
+        headers = {**AgentTag(agent, warmup=True).to_headers(), **routing_header(agent, job.session)}
         if anchor.tokens:
             path = "/v1/completions"
             body: dict[str, Any] = {"model": model, "prompt": list(anchor.tokens), "max_tokens": 1, "temperature": 0}

@@ -16,7 +16,7 @@ import respx
 from openai import OpenAI
 
 import agentkv
-from agentkv.frameworks import tracker, use_tag
+from agentkv.frameworks import set_routing_key, tracker, use_tag
 from agentkv.graph import TransitionLearner
 from agentkv.protocol import AgentTag
 from agentkv.warmup import TaggedResponse, TokenBucket, WarmupCoordinator, on_response
@@ -120,6 +120,7 @@ def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Cloc
     assert warm.path == "/v1/completions"
     assert warm.body["prompt"] == list(anchor.tokens) and warm.body["max_tokens"] == 1
     assert warm.headers["x-agentkv-agent"] == coder and "x-agentkv-session" not in warm.headers
+    assert warm.headers["x-session-id"] == f"b-{run_id}"  # routed like the coder's coming call
     assert anchor.length > 0 and anchor.length % 16 == 0
     assert cached(first) == 0  # the planner was not warmed: cold after the eviction
     assert cached(second) >= anchor.length  # the coder was
@@ -130,6 +131,24 @@ def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Cloc
         "source": anchor.source, "cached_tokens": 0, "prompt_tokens": anchor.length, "seconds": 0,
         "next_call_cached_tokens": cached(second)}
     assert stats["anchors"][coder]["stable"] is True
+
+
+def test_agent_routing_key_sends_calls_and_warmups_by_agent(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
+) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    set_routing_key("agent")
+    try:
+        with make(fake, clock) as coord:
+            session(client, coord, clock, [planner, coder], f"a-{run_id}")
+            fake.evict_all()
+            session(client, coord, clock, [planner, coder], f"b-{run_id}")
+    finally:
+        set_routing_key("session")
+    real = [c for c in fake.calls if c.path == "/v1/chat/completions" and "x-agentkv-agent" in c.headers]
+    assert {c.headers["x-session-id"] for c in real} == {planner, coder}
+    assert {c.headers["x-agentkv-session"] for c in real} == {f"a-{run_id}", f"b-{run_id}"}
+    assert [w.headers["x-session-id"] for w in fake.warmups()] == [coder]
 
 
 def test_server_side_prediction_and_block_size(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
