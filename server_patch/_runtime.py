@@ -120,6 +120,11 @@ class AgentKVRuntime:
         self.tagged_requests = 0
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._scored_version: tuple[int, int] | None = None
+        # Per agent: how often a request was followed, in its session, by another request of
+        # the same dispatch (same agent and step: a tool loop) or by another dispatch.
+        self.continued: Counter[str] = Counter()
+        self.handed_off: Counter[str] = Counter()
+        self._last_dispatch: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self._scored_policy: tuple[str, int] | None = None
         # log-space scores prepared by refresh() for _score_of (valid for one table)
         self._lru = True
@@ -169,7 +174,8 @@ class AgentKVRuntime:
         def record_prefix_cache_stats_observed(request: Request, num_hits: int) -> None:
             record_prefix_cache_stats(request, num_hits)
             tag = self.tag_of(request)
-            if tag is not None and manager.prefix_cache_lookup_enabled(request):
+            # warm-ups are agentkv's own traffic: the agent's hit rate is its real calls'
+            if tag is not None and not tag.warmup and manager.prefix_cache_lookup_enabled(request):
                 self.queries[tag.agent] += request.num_tokens
                 self.hits[tag.agent] += num_hits
 
@@ -186,7 +192,9 @@ class AgentKVRuntime:
         result = parse_xargs(extra)
         self.malformed.record(result.errors)
         tag = result.tag
-        if tag is not None and tag.session is None and request.session_id:
+        # X-Session-ID stands in for a missing agentkv session, except on warm-ups, which
+        # carry it only as a routing key and must not join (or revive) any session
+        if tag is not None and tag.session is None and request.session_id and not tag.warmup:
             try:
                 tag = AgentTag(tag.agent, request.session_id, tag.parent, tag.step, tag.warmup)
             except ProtocolError as exc:
@@ -204,9 +212,27 @@ class AgentKVRuntime:
             return
         self.tagged_requests += 1
         self.anchors.observe(tag.agent, tag.session, request.block_hashes)
+        if tag.session is not None and not tag.warmup:
+            self._count_dispatch(tag.session, tag.agent, tag.step)
         if tag.session is not None and self.facts.is_ended(tag.session):
             self.facts.start_session(tag.session)  # a tagged request revives an ended session id
         self.learner.observe(tag.agent, tag.session, tag.parent, step=tag.step, warmup=tag.warmup)
+
+    def _count_dispatch(self, session: str, agent: str, step: int | None) -> None:
+        last = self._last_dispatch.pop(session, None)
+        if last is not None:
+            if step is not None and last == (agent, step):
+                self.continued[agent] += 1
+            else:
+                self.handed_off[last[0]] += 1
+        self._last_dispatch[session] = (agent, step)
+        if len(self._last_dispatch) > self.config.learner.max_sessions:
+            self._last_dispatch.popitem(last=False)
+
+    def continuation(self, agent: str) -> float:
+        """P(a request of ``agent`` is followed by another request of the same dispatch)."""
+        total = self.continued[agent] + self.handed_off[agent]
+        return self.continued[agent] / total if total else 0.0
 
     def refresh(self) -> None:
         """Recompute survival and re-score the queue's groups, only when something changed.
@@ -263,7 +289,17 @@ class AgentKVRuntime:
         if index is None:
             return self._log_floor
         row, columns = self._log_passage[index], self.table.index  # type: ignore[union-attr]
-        return max((row[columns[a]] for a in rest[1] if a in columns), default=self._log_floor)
+        score = max((row[columns[a]] for a in rest[1] if a in columns), default=self._log_floor)
+        going_on = self.continuation(current) if current in rest[1] else 0.0
+        if going_on > 0.0:
+            # The session's live dispatch: the agent's tool loop re-sends this prefix with
+            # probability `going_on`, before any next dispatch. Never above the anchor (the
+            # prefix's parent), so that a chain still loses its child first.
+            delta = self.config.survival.delta
+            survival = going_on + (1.0 - going_on) * (math.exp(score) - delta)
+            anchor = max((self._log_anchor.get(a, self._log_floor) for a in rest[1]), default=self._log_floor)
+            score = min(math.log(survival + delta), anchor)
+        return score
 
     def _on_evict(self, block: KVCacheBlock) -> None:
         group = self.tracker.group_of(block.block_id, True)

@@ -1,0 +1,9 @@
+"""Names and defaults shared by the bench modules and their CLI (no heavy imports)."""
+
+from __future__ import annotations
+
+TOPOLOGY_NAMES = ("pipeline", "debate", "selector", "random")  # == topologies.TOPOLOGIES
+POLICY_NAMES = ("lru", "ttl", "kvflow", "agentkv", "agentkv+facts", "agentkv+warmup", "belady")  # == policies.POLICIES
+DEFAULT_POLICIES = POLICY_NAMES
+DEFAULT_MULTIPLIERS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)  # x the tape's largest request, in blocks
+DEFAULT_MARGIN = 15.0  # preflight: points of token hit rate between belady and lru

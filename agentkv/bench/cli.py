@@ -1,0 +1,117 @@
+"""``agentkv bench tape`` and ``agentkv bench replay`` (argument parsing only imports vLLM lazily)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES, POLICY_NAMES, TOPOLOGY_NAMES
+
+__all__ = ["add_replay_arguments", "add_tape_arguments", "run_replay", "run_tape"]
+
+DEFAULT_OUT = Path(".build/bench-replay")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _workload_arguments(parser: argparse.ArgumentParser, *, topology: bool) -> None:
+    if topology:
+        parser.add_argument("--topology", choices=TOPOLOGY_NAMES, default="selector", help="coordination topology")
+    parser.add_argument("--sessions", type=int, default=40, help="sessions per tape (default 40)")
+    parser.add_argument("--rate", type=float, default=0.05, help="Poisson session arrivals per second (default 0.05)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--tool-loop", action="store_true",
+                        help="after a tool call the same agent is called again (same dispatch step)")
+
+
+def _config(args: argparse.Namespace, topology: str):  # -> WorkloadConfig
+    from .tape import WorkloadConfig
+
+    return WorkloadConfig(topology=topology, sessions=args.sessions, rate=args.rate, seed=args.seed,
+                          tool_loop=args.tool_loop)
+
+
+def add_tape_arguments(parser: argparse.ArgumentParser) -> None:
+    _workload_arguments(parser, topology=True)
+    parser.add_argument("-o", "--output", required=True, help="tape file to write (JSONL, docs/tapes.md)")
+
+
+def run_tape(args: argparse.Namespace) -> None:
+    from .tape import generate, write_tape
+
+    tape = generate(_config(args, args.topology))
+    write_tape(tape, args.output)
+    summary = tape.header["summary"]
+    print(f"wrote {args.output}: {summary['sessions']} sessions, {summary['requests']} requests, "
+          f"anchors {100 * summary['anchor_share']:.1f}% of prompt tokens, R {summary['predictability']:.2f} "
+          f"(target {tape.header['target_predictability']:.2f})", file=sys.stderr)
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("tapes", nargs="*", help="tape files; none: generate one tape per topology (options below)")
+    _workload_arguments(parser, topology=False)
+    parser.add_argument("--topologies", default=",".join(TOPOLOGY_NAMES),
+                        help="topologies of the generated tapes (without TAPE arguments)")
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
+    parser.add_argument("--capacities", type=_ints, default=None,
+                        help="KV cache sizes in blocks (comma-separated); default: --multipliers")
+    parser.add_argument("--multipliers", type=_floats, default=list(DEFAULT_MULTIPLIERS),
+                        help="candidate capacities as multiples of each tape's largest request "
+                             f"(default {','.join(map(str, DEFAULT_MULTIPLIERS))})")
+    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                        help="preflight: keep capacities where belady - lru >= this many points (default 15)")
+    parser.add_argument("--no-preflight", action="store_true", help="keep every capacity")
+    parser.add_argument("--skip-dropped", action="store_true",
+                        help="do not run the other policies on capacities the preflight dropped")
+    parser.add_argument("--ttl", type=float, default=None,
+                        help="ttl policy pin in seconds (default 0.3, seed 001's Continuum setting)")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"directory for replay.json / replay.md / replay.png and generated tapes ({DEFAULT_OUT})")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/replay.png)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_replay(args: argparse.Namespace) -> None:
+    from .policies import POLICIES
+    from .replay import sweep
+    from .report import markdown, plot
+    from .tape import generate, write_tape
+
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    paths = list(args.tapes)
+    if not paths:
+        for topology in [t for t in args.topologies.split(",") if t]:
+            tape = generate(_config(args, topology))
+            path = out / "tapes" / f"{tape.name}.jsonl"
+            write_tape(tape, path)
+            paths.append(str(path))
+    started = time.perf_counter()
+    report = sweep(paths, policies=policies, capacities=args.capacities, multipliers=args.multipliers,
+                   margin=args.margin, preflight=not args.no_preflight, skip_dropped=args.skip_dropped,
+                   ttl=args.ttl, jobs=args.jobs, progress=not args.quiet)
+    report["command"] = "agentkv bench replay " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "replay"]
+                                                           else sys.argv[1:])
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    text = markdown(report)
+    (out / "replay.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "replay.md").write_text(text)
+    plot_path = args.plot or out / "replay.png"
+    plot(report, plot_path)
+    print(text)
+    print(f"wrote {out / 'replay.json'}, {out / 'replay.md'}, {plot_path} in {report['wall_s']} s", file=sys.stderr)

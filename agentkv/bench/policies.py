@@ -1,0 +1,398 @@
+"""Eviction policies compared by ``agentkv bench replay`` (docs/benchmarks.md).
+
+Every policy drives the same real vLLM ``KVCacheManager``. Baselines plug into the seam
+agentkv itself uses: a ``ScoredFreeBlockQueue`` swapped into the ``BlockPool`` with the
+policy's own ``group_of`` (which group a freed cached block joins) and ``score`` (log-space
+value of a group; lowest evicted first, ties by recency). In the spirit of SGLang's
+``evict_policy.py``: one small interface, a dozen lines per policy.
+
+| name | information (seed 000 §11) |
+|---|---|
+| ``lru`` | L0: vanilla vLLM, no extension at all |
+| ``ttl`` | L0 + Continuum-style pinning: a finished request's blocks are kept for a TTL |
+| ``agentkv`` | L1: the server_patch runtime (learned transitions), eviction only |
+| ``agentkv+facts`` | L1 + L2: plus the declared topology graph and session_end events |
+| ``agentkv+warmup`` | as ``agentkv+facts`` plus anchor warm-up requests between turns |
+| ``kvflow`` | L2: steps-to-execution on the declared graph (KVFlow) |
+| ``belady`` | L3: the future trace; evicts the block whose next use is furthest |
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
+from vllm.v1.request import Request
+
+from agentkv.graph import TransitionLearner
+from server_patch._free_queue import ScoredFreeBlockQueue
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+
+if TYPE_CHECKING:
+    from .replay import Replay
+    from .tape import TapeRequest
+
+__all__ = ["POLICIES", "Policy", "ScoredPolicy", "make_policy"]
+
+
+class Policy:
+    """Hooks the replay engine calls, in scheduler order; the default is vanilla vLLM."""
+
+    name = "lru"
+    tagged = True  # requests carry agentkv tags in extra_args (inert without the runtime)
+
+    def install(self, sim: Replay) -> None:
+        """Called once on a fresh manager, before the first request."""
+
+    def on_arrival(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        """The engine received a request (the scheduler's ``add_request``)."""
+
+    def before_schedule(self, sim: Replay) -> None:
+        """Start of a scheduling step (the runtime's ``refresh`` point)."""
+
+    def on_start(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        """The request was admitted: its blocks are allocated and its hit recorded."""
+
+    def before_free(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        """The request finished and its output blocks are cached; its blocks are freed next."""
+
+    def pin_for(self, sim: Replay, request: Request, record: TapeRequest) -> float:
+        """Seconds to keep a finished request's blocks referenced before freeing them (0: free now)."""
+        return 0.0
+
+    def on_finish(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        """The request finished; its blocks were just freed."""
+
+    def on_session_end(self, sim: Replay, session: str) -> None:
+        """The session's last request finished (the app knows its session is over)."""
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class ScoredPolicy(Policy):
+    """A policy that orders eviction with a ScoredFreeBlockQueue: ``group_of`` + ``score``.
+
+    Eviction key of a free cached block = score(group) + decay * t_free (smallest first),
+    so with ``decay = 0`` ties between groups of equal score fall back to LRU order.
+    ``dynamic`` policies have their scores re-read at every scheduling step.
+    """
+
+    decay = 0.0
+    dynamic = True
+
+    def group_of(self, block: KVCacheBlock) -> Hashable:
+        raise NotImplementedError
+
+    def score(self, group: Hashable) -> float:
+        raise NotImplementedError
+
+    def install(self, sim: Replay) -> None:
+        self.sim = sim
+        self.queue = ScoredFreeBlockQueue.replace(sim.pool, self.group_of, clock=sim.clock, decay=self.decay)
+        self.queue.set_group_scores(self.score)
+
+    def before_schedule(self, sim: Replay) -> None:
+        if self.dynamic:
+            self.queue.set_group_scores(self.score)
+
+
+# -- L0: Continuum-style TTL pinning ----------------------------------------------------
+
+
+class TTL(Policy):
+    """Continuum-style (Li et al., 2025): a finished request keeps its blocks referenced
+    for ``ttl`` seconds (a hard pin: nothing can evict them, a request that does not fit
+    waits), then frees them into plain LRU. Default 0.3 s: seed 001's Continuum setting
+    (AutoGen's observed inter-turn latency); ``agentkv bench replay --ttl`` sets another.
+
+    A *soft* pin through the free queue (pinned groups evicted last) would be exactly LRU:
+    pins expire in the order blocks were freed, which is LRU order already.
+    """
+
+    name = "ttl"
+
+    def __init__(self, ttl: float = 0.3) -> None:
+        self.ttl = ttl
+
+    def pin_for(self, sim: Replay, request: Request, record: TapeRequest) -> float:
+        return self.ttl
+
+    def stats(self) -> dict[str, Any]:
+        return {"ttl_s": self.ttl}
+
+
+# -- L2: KVFlow ---------------------------------------------------------------------------
+
+_FAR = 64  # steps-to-execution of an agent no live session can reach
+
+
+class KVFlow(ScoredPolicy):
+    """Steps-to-execution on the declared graph (Pan et al., 2025), per live session.
+
+    A session's current agent is 0 steps away (running or in its tool loop); another agent
+    is its BFS distance on the declared graph; a new session reaches the entry agents in 1.
+    A block used by one session only (its history) takes that session's value; a block
+    shared by sessions (an anchor) takes the best value over all live sessions, and a
+    prefix shared by several agents the best among them. Knows session ends (facts).
+    """
+
+    name = "kvflow"
+
+    def install(self, sim: Replay) -> None:
+        self.graph = sim.plan.declared_graph()
+        self.distance = _all_pairs_hops(self.graph)
+        self.entry = set(sim.plan.entry_agents())
+        self.current: dict[str, str] = {}
+        self.users: dict[int, tuple[bytes, set[str], set[str]]] = {}  # block_id -> (hash, agents, sessions)
+        self.steps: dict[str, int] = {}
+        super().install(sim)
+
+    def _note(self, request: Request, record: TapeRequest) -> None:
+        for block in self.sim.kv.get_blocks(request.request_id).blocks[0]:
+            if block.block_hash is None:
+                continue
+            entry = self.users.get(block.block_id)
+            if entry is None or entry[0] != block.block_hash:
+                entry = self.users[block.block_id] = (block.block_hash, set(), set())
+            entry[1].add(record.agent)
+            if len(entry[2]) < 2:
+                entry[2].add(record.session)
+
+    def on_arrival(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        self.current[record.session] = record.agent
+
+    def on_start(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        self._note(request, record)
+
+    def before_free(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        self._note(request, record)
+
+    def on_session_end(self, sim: Replay, session: str) -> None:
+        self.current.pop(session, None)
+
+    def before_schedule(self, sim: Replay) -> None:
+        best: dict[str, int] = {a: 1 + min((self.distance[e].get(a, _FAR) for e in self.entry), default=_FAR)
+                                for a in self.distance}
+        for agent in self.current.values():
+            for target, hops in self.distance[agent].items():
+                if hops < best.get(target, _FAR):
+                    best[target] = hops
+        self.steps = best
+        super().before_schedule(sim)
+
+    def group_of(self, block: KVCacheBlock) -> Hashable:
+        entry = self.users.get(block.block_id)
+        if entry is None or entry[0] != block.block_hash:
+            return ("unknown",)
+        agents = frozenset(entry[1])
+        return ("history", next(iter(entry[2])), agents) if len(entry[2]) == 1 else ("shared", agents)
+
+    def score(self, group: Hashable) -> float:
+        kind, *rest = group  # type: ignore[misc]
+        if kind == "unknown":
+            return -_FAR
+        if kind == "shared":
+            return -min(self.steps.get(a, _FAR) for a in rest[0])
+        session, agents = rest
+        current = self.current.get(session)
+        if current is None:
+            return -_FAR  # the session ended: its history is never used again
+        return -min(self.distance[current].get(a, _FAR) for a in agents)
+
+
+def _all_pairs_hops(graph: dict[str, set[str]]) -> dict[str, dict[str, int]]:
+    """BFS hop counts; distance[a][a] = 0."""
+    out: dict[str, dict[str, int]] = {}
+    for source in graph:
+        seen = {source: 0}
+        frontier = deque([source])
+        while frontier:
+            node = frontier.popleft()
+            for succ in graph.get(node, ()):
+                if succ not in seen:
+                    seen[succ] = seen[node] + 1
+                    frontier.append(succ)
+        out[source] = seen
+    return out
+
+
+# -- L3: Belady ---------------------------------------------------------------------------
+
+_NEVER = math.inf
+
+
+class Belady(ScoredPolicy):
+    """Future-trace oracle: evict the free cached block whose next use is furthest away.
+
+    "Use" = a later foreground request of the tape whose prompt contains the block's hash
+    (requests start in tape order, so the order of future uses is policy-independent).
+    Score = -index of the next use (-inf: never used again). A parent's next use is never
+    after its child's, so chains are evicted child first. A free block whose predicted use
+    has passed (its parent was missing, so the lookup never reached it) is re-queued with
+    its next use recomputed.
+    """
+
+    name = "belady"
+    dynamic = False
+
+    def install(self, sim: Replay) -> None:
+        self.uses = sim.plan.uses  # hash -> sorted indices of the requests whose prompt holds it
+        self.pending: dict[int, list[tuple[KVCacheBlock, bytes]]] = {}
+        super().install(sim)
+
+    def _next_use(self, block_hash: bytes) -> float:
+        uses = self.uses.get(block_hash)
+        if not uses:
+            return _NEVER
+        k = bisect.bisect_left(uses, self.sim.next_index)
+        return uses[k] if k < len(uses) else _NEVER
+
+    def group_of(self, block: KVCacheBlock) -> Hashable:
+        assert block.block_hash is not None
+        use = self._next_use(get_block_hash(block.block_hash))
+        if use != _NEVER:
+            self.pending.setdefault(int(use), []).append((block, block.block_hash))
+        return use
+
+    def score(self, use: Hashable) -> float:
+        return -use  # type: ignore[operator]
+
+    def before_schedule(self, sim: Replay) -> None:
+        stale = [use for use in self.pending if use < sim.next_index]
+        for use in sorted(stale):
+            for block, block_hash in self.pending.pop(use):
+                if block.ref_cnt == 0 and block.block_hash == block_hash:
+                    self.queue.remove(block)
+                    self.queue.append(block)  # regrouped by its next use from now on
+
+
+# -- L1/L2: agentkv -------------------------------------------------------------------------
+
+
+class AgentKV(Policy):
+    """The exact server_patch runtime, installed on the manager as the scheduler does.
+
+    ``facts``: the app also declares the topology graph (one ``graph`` event) and sends
+    ``session_end`` when a session's last request finishes. ``warmup``: in the pause after
+    each turn, a warm-up request holding only the predicted next agent's anchor
+    (max_tokens=1, tagged warmup, no session), gated as ``agentkv.warmup.WarmupCoordinator``
+    does by default: a prediction whose transition was observed, learned R >= ``r_min``
+    (0.3), the target's anchor not used or warmed in the last ``fresh_seconds`` (5 s), no
+    request waiting (``max_waiting=0``), a token bucket of ``max_per_second`` (2/s, burst 2);
+    and the blocks must fit without waiting.
+    """
+
+    name = "agentkv"
+
+    def __init__(self, config: RuntimeConfig | None = None, *, facts: bool = False, warmup: bool = False,
+                 r_min: float = 0.3, fresh_seconds: float = 5.0, max_per_second: float = 2.0,
+                 burst: float = 2.0) -> None:
+        self.config = config or RuntimeConfig()
+        self.facts = facts
+        self.warmup = warmup
+        self.r_min = r_min
+        self.fresh_seconds = fresh_seconds
+        self.max_per_second = max_per_second
+        self.burst = burst
+        self._tokens = burst
+        self._bucket_at = 0.0
+        self._touched: dict[str, float] = {}
+        self.anchors: dict[str, tuple[tuple[str, int], ...]] = {}
+        self.warmups: Counter[str] = Counter()
+
+    def install(self, sim: Replay) -> None:
+        self.runtime = AgentKVRuntime(self.config, clock=sim.clock)
+        self.runtime.install(sim.kv)
+        if self.facts:
+            event = sim.plan.graph_event()
+            if event is not None:
+                result = self.runtime.apply_events({"version": 1, "events": [event]})
+                assert result.get("accepted") == 1, result
+
+    def on_arrival(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        self.runtime.on_add_request(request)
+        self.anchors[record.agent] = sim.plan.anchor_segments(record)
+        self._touched[record.agent] = sim.now
+
+    def before_schedule(self, sim: Replay) -> None:
+        self.runtime.refresh()
+
+    def on_finish(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        if self.warmup and sim.plan.is_handoff(record):
+            self.warmups[self._warm(sim, record.agent)] += 1
+
+    def _warm(self, sim: Replay, agent: str) -> str:
+        learner = self.runtime.learner
+        prediction = self.runtime.predictor.predict(agent)
+        if prediction is None or not _observed(learner, agent, prediction.agent):
+            return "no_prediction"
+        if learner.predictability() < self.r_min:
+            return "predictability"
+        target = prediction.agent
+        if not self.anchors.get(target):
+            return "no_anchor"
+        if sim.now - self._touched.get(target, -math.inf) < self.fresh_seconds:
+            return "fresh"
+        if sim.waiting():
+            return "busy"
+        self._tokens = min(self.burst, self._tokens + (sim.now - self._bucket_at) * self.max_per_second)
+        self._bucket_at = sim.now
+        if self._tokens < 1.0:
+            return "rate_limit"
+        self._tokens -= 1.0
+        if not sim.warmup(target, self.anchors[target], self.runtime.on_add_request):
+            return "no_room"
+        self._touched[target] = sim.now
+        return "issued"
+
+    def on_session_end(self, sim: Replay, session: str) -> None:
+        if self.facts:
+            self.runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": session}]})
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.runtime.stats()
+        out: dict[str, Any] = {
+            "runtime_policy": stats["policy"],
+            "learned_r": round(stats["predictability"], 4),
+            "top1_accuracy": None if stats["top1_accuracy"] is None else round(stats["top1_accuracy"], 4),
+            "runtime_evictions": stats["evictions"],
+            "anchor_length_blocks": {a: v["anchor_length_blocks"] for a, v in sorted(stats["agents"].items())},
+        }
+        if self.warmup:
+            out["warmups"] = dict(sorted(self.warmups.items()))
+        return out
+
+
+def _observed(learner: TransitionLearner, agent: str, target: str) -> bool:
+    """The learner has seen ``agent -> target`` at least once (not just smoothing)."""
+    agents = learner.agents
+    if agent not in agents or target not in agents:
+        return False
+    return bool(learner.counts()[agents.index(agent), agents.index(target)] > 0)
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "lru": Policy,
+    "agentkv": AgentKV,
+    "agentkv+facts": lambda: AgentKV(facts=True),
+    "agentkv+warmup": lambda: AgentKV(facts=True, warmup=True),
+    "ttl": TTL,
+    "kvflow": KVFlow,
+    "belady": Belady,
+}
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """A fresh policy by name; ``options``: ``ttl`` (seconds) for ttl."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    if name == "ttl" and options.get("ttl") is not None:
+        return TTL(options["ttl"])
+    policy = POLICIES[name]()
+    policy.name = name
+    return policy
