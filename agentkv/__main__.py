@@ -8,39 +8,34 @@ import sys
 __all__ = ["main"]
 
 
-def _demo(_: argparse.Namespace) -> None:
-    from agentkv.bench import micro
-    from agentkv.bench.topologies import TOPOLOGIES, sample_dispatches, topology
-    from agentkv.graph import Predictor, SurvivalConfig, SurvivalScorer, TransitionLearner
+def _demo(args: argparse.Namespace) -> None:
+    from agentkv import demo
 
-    print("agentkv demo: the learning core on the paper's four six-agent topologies (1,000 dispatches each)\n")
-    print(
-        "| topology | target R | learned R | online top-1 | top-1 over last 50 | next after 'coder' "
-        "| survival (K=4) |"
-    )
-    print("|---|---:|---:|---:|---:|---|---|")
-    for name in TOPOLOGIES:
-        topo = topology(name)
-        learner = TransitionLearner()
-        for agent in sample_dispatches(topo, 1000, seed=0):
-            learner.observe(agent, session="demo")
-        predictor = Predictor(learner)
-        table = SurvivalScorer(predictor, SurvivalConfig(horizon=4, new_sessions=0)).refresh()
-        guess = predictor.predict("coder")
-        survival = ", ".join(f"{a[:3]} {p:.2f}" for a, p in table.as_dict().items())
-        print(
-            f"| {name} | {topo.target_r:.2f} | {learner.predictability():.2f} | {learner.accuracy:.2f} | "
-            f"{learner.recent_accuracy:.2f} | {guess.agent} ({guess.probability:.2f}) | "
-            f"{survival if table.predictable else 'all alike (R < R_min): LRU'} |"
-        )
-    print()
-    micro.main()
+    sys.exit(demo.run(args))
 
 
 def _bench_micro(_: argparse.Namespace) -> None:
     from agentkv.bench import micro
 
     micro.main()
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from agentkv.bench import serve
+
+    serve.main(args)
+
+
+def _bench_tape(args: argparse.Namespace) -> None:
+    from agentkv.bench import cli
+
+    cli.run_tape(args)
+
+
+def _bench_replay(args: argparse.Namespace) -> None:
+    from agentkv.bench import cli
+
+    cli.run_replay(args)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -55,10 +50,24 @@ def _cluster(args: argparse.Namespace) -> None:
     cluster.main(args.cluster_args)
 
 
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from agentkv.demo import add_arguments
+
+    add_arguments(parser)
+
+
+def _add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from agentkv.bench.serve_args import add_arguments  # light: no langchain import for --help of others
+
+    add_arguments(parser)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="run the main demo").set_defaults(run=_demo)
+    demo = commands.add_parser("demo", help="the main demo: the six-agent app on vanilla vLLM vs agentkv serve")
+    _add_demo_arguments(demo)
+    demo.set_defaults(run=_demo)
     serve = commands.add_parser("serve", help="start vLLM with the agentkv extension: agentkv serve MODEL [vllm args]")
     serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="MODEL and any vLLM arguments")
     serve.set_defaults(run=_serve)
@@ -67,6 +76,17 @@ def main(argv: list[str] | None = None) -> None:
     cluster.set_defaults(run=_cluster)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench.add_parser("micro", help="learning-core microbenchmark").set_defaults(run=_bench_micro)
+    from agentkv.bench import cli as bench_cli  # light: vLLM is imported only when a replay runs
+
+    bench_tape = bench.add_parser("tape", help="generate a workload tape (docs/tapes.md)")
+    bench_cli.add_tape_arguments(bench_tape)
+    bench_tape.set_defaults(run=_bench_tape)
+    bench_replay = bench.add_parser("replay", help="replay tapes through vLLM's KV cache manager under each policy")
+    bench_cli.add_replay_arguments(bench_replay)
+    bench_replay.set_defaults(run=_bench_replay)
+    bench_serve = bench.add_parser("serve", help="the six-agent LangGraph app on vanilla vLLM vs agentkv serve")
+    _add_bench_serve_arguments(bench_serve)
+    bench_serve.set_defaults(run=_bench_serve)
     args = parser.parse_args(argv)
     args.run(args)
 

