@@ -76,9 +76,9 @@ class AgentKVMiddleware:
         elif path == STATE_PATH and method == "GET":
             await self._relay(send, {"op": "state"})
         elif path == MERGE_PATH and method == "POST":
-            await self._merge(receive, send)
+            await self._relay_body(receive, send, "merge")
         elif path == EVENTS_PATH and method == "POST":
-            await self._events(receive, send)
+            await self._relay_body(receive, send, "events")
         elif path in _TAGGED_PATHS and method == "POST":
             await self._tagged(scope, receive, send)
         elif path.rstrip("/") == "/metrics" and method == "GET":
@@ -179,15 +179,6 @@ class AgentKVMiddleware:
         else:
             await _json(send, 200, reply)
 
-    async def _merge(self, receive: Receive, send: Send) -> None:
-        body = await _read_body(receive, limit=_MAX_EVENTS_BODY)
-        try:
-            payload = json.loads(body) if body is not None else None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            await _error(send, 400, f"merge body is not JSON: {exc}")
-            return
-        await self._relay(send, {"op": "merge", "payload": payload})
-
     async def _sync_forever(self) -> None:
         """Pull every peer's own counts and merge them into this replica's engine."""
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
@@ -206,25 +197,18 @@ class AgentKVMiddleware:
                         self.sync_failures[peer] += 1
                 await asyncio.sleep(self.sync_interval)
 
-    async def _events(self, receive: Receive, send: Send) -> None:
+    async def _relay_body(self, receive: Receive, send: Send, op: str) -> None:
+        """Relay a JSON request body to the engine as ``{"op": op, "payload": body}``."""
         body = await _read_body(receive, limit=_MAX_EVENTS_BODY)
         if body is None:
-            await _error(send, 413, f"events body larger than {_MAX_EVENTS_BODY} bytes")
+            await _error(send, 413, f"{op} body larger than {_MAX_EVENTS_BODY} bytes")
             return
         try:
             payload = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            await _error(send, 400, f"events body is not JSON: {exc}")
+            await _error(send, 400, f"{op} body is not JSON: {exc}")
             return
-        try:
-            reply = await ask(self.endpoint, {"op": "events", "payload": payload}, self.timeout)
-        except ControlUnavailable as exc:
-            await _error(send, 503, str(exc))
-            return
-        if "error" in reply:
-            await _error(send, int(reply.get("status", 400)), reply["error"])
-        else:
-            await _json(send, 200, reply)
+        await self._relay(send, {"op": op, "payload": payload})
 
 
 async def _read_body(receive: Receive, limit: int | None = None) -> Any:
