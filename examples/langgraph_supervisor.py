@@ -307,6 +307,7 @@ class TeamConfig:
     tool_gap: float = 0.3  # seconds a tool step takes
     seed: int = 0
     tool_choice: str = "auto"  # "none" for a vLLM without --enable-auto-tool-choice
+    routing: str = "model"  # "markov": ignore the model's pick (reproducible runs, benchmarks)
     timeout: float = 300.0
 
 
@@ -331,7 +332,8 @@ def _agent_node(agent: str, model: Any, team: TeamConfig) -> Callable[..., Any]:
     async def run(state: TeamState, config: RunnableConfig) -> dict[str, Any]:
         reply = await model.ainvoke([SystemMessage(SYSTEM_PROMPTS[agent]), *state["messages"]], config)
         turn = state["turn"] + 1
-        next_agent = model_choice(agent, reply) or markov_next(agent, state["session"], turn, team.seed)
+        picked = model_choice(agent, reply) if team.routing == "model" else None
+        next_agent = picked or markov_next(agent, state["session"], turn, team.seed)
         # The tool step the model did not ask for (the tiny model never does): scripted, deterministic.
         calls = reply.tool_calls or [_scripted_call(agent, state, turn, next_agent, team.seed)]
         reply = AIMessage(content=reply.content, tool_calls=calls, name=agent, id=reply.id,
@@ -433,7 +435,8 @@ def _print_stats(root: str) -> None:
 
 async def _main_async(args: argparse.Namespace, base_url: str) -> None:
     config = TeamConfig(base_url=base_url, model=args.model, max_tokens=args.max_tokens, turns=args.turns,
-                        tool_gap=args.tool_gap, seed=args.seed, tool_choice=args.tool_choice)
+                        tool_gap=args.tool_gap, seed=args.seed, tool_choice=args.tool_choice,
+                        routing=args.routing)
     root = agentkv_root(base_url)
     app = agentkv.instrument(build_team(config), events_url=root)  # tags every request; events only to agentkv
     print(f"{'agentkv' if root else 'plain OpenAI-compatible'} server at {base_url}; "
@@ -464,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--tool-gap", type=float, default=0.3, help="seconds each tool step takes")
     parser.add_argument("--tool-choice", default="auto", choices=["auto", "none"])
+    parser.add_argument("--routing", default="model", choices=["model", "markov"],
+                        help="markov: route by the seeded chain only, ignoring the model's pick")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--blocks", type=int, default=257, help="local server: --num-gpu-blocks-override")
     args = parser.parse_args(argv)

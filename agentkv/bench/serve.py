@@ -448,7 +448,7 @@ async def _run_async(config: ServeConfig, roots: dict[str, str], log: Any) -> di
     apps: dict[str, tuple[Any, Any]] = {}
     for name, root in roots.items():
         team = example.TeamConfig(base_url=root + "/v1", max_tokens=config.max_tokens, turns=config.turns,
-                                  tool_gap=config.tool_gap, seed=config.seed, tool_choice="none")
+                                  tool_gap=config.tool_gap, seed=config.seed, tool_choice="none", routing="markov")
         events = example.agentkv_root(team.base_url)  # only the agentkv server takes events
         apps[name] = (agentkv.instrument(example.build_team(team), events_url=events), team)
     for name, (app, team) in apps.items():

@@ -93,7 +93,8 @@ def test_two_sessions_on_agentkv_teach_the_server_six_anchors(agentkv_server, ex
     before = httpx.get(stats_url, trust_env=False).json()
     run = subprocess.run(
         [sys.executable, str(EXAMPLE), "--base-url", agentkv_server.base_url + "/v1", "--sessions", "2",
-         "--concurrency", "2", "--seed", str(seed), "--tool-choice", "none", "--tool-gap", "0.05"],
+         "--concurrency", "2", "--seed", str(seed), "--tool-choice", "none", "--tool-gap", "0.05",
+         "--routing", "markov"],
         capture_output=True, text=True, timeout=300,
     )
     print(run.stdout[-3000:], run.stderr[-3000:])
