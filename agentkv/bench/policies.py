@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,7 @@ class Policy:
         return {}
 
 
-class ScoredPolicy(Policy):
+class ScoredPolicy(Policy, ABC):
     """A policy that orders eviction with a ScoredFreeBlockQueue: ``group_of`` + ``score``.
 
     Eviction key of a free cached block = score(group) + decay * t_free (smallest first),
@@ -85,11 +86,13 @@ class ScoredPolicy(Policy):
     decay = 0.0
     dynamic = True
 
+    @abstractmethod
     def group_of(self, block: KVCacheBlock) -> Hashable:
-        raise NotImplementedError
+        """The eviction group of a freed block (called once, when it is freed)."""
 
+    @abstractmethod
     def score(self, group: Hashable) -> float:
-        raise NotImplementedError
+        """Log-space score of a group: smaller is evicted first, -inf first of all."""
 
     def install(self, sim: Replay) -> None:
         self.sim = sim
