@@ -29,12 +29,15 @@ DEMO_CONFIG = ServeConfig(
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| sessions/s | server | hit rate | TTFT mean | TTFT p99 | turn latency | throughput |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| sessions/s | server | hit rate | calls with the anchor cached | TTFT mean | TTFT p99 | turn latency "
+        "| throughput |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        anchor = r.get("anchor_hit_rate")
+        anchor_text = "" if anchor is None or math.isnan(anchor) else f"{anchor:.0%}"
         lines.append(
-            f"| {r['rate']:g} | {r['server']} | {r['hit_rate']:.1%} | {r['ttft_mean_ms']:.0f} ms "
+            f"| {r['rate']:g} | {r['server']} | {r['hit_rate']:.1%} | {anchor_text} | {r['ttft_mean_ms']:.0f} ms "
             f"| {r['ttft_p99_ms']:.0f} ms | {r['turn_mean_ms']:.0f} ms | {r['throughput']:.2f} turns/s |"
         )
     return "\n".join(lines)

@@ -99,7 +99,7 @@ def test_markdown_table_and_demo_summary():
     assert table.splitlines()[2].startswith("| 0.5 | vanilla | 25.0% | 0% | 200 ms")
     assert table.splitlines()[3].startswith("| 0.5 | agentkv | 75.0% | 100% | 100 ms")
     assert table.endswith("| 0.50x | 0.7-0.9 |")
-    assert "| 0.5 | agentkv | 75.0% | 100 ms | 100 ms | 300 ms | 1.00 turns/s |" in summary_table(rows)
+    assert "| 0.5 | agentkv | 75.0% | 100% | 100 ms | 100 ms | 300 ms | 1.00 turns/s |" in summary_table(rows)
 
 
 def test_command_line_reaches_the_benchmark(monkeypatch, tmp_path):
