@@ -75,20 +75,12 @@ class TaggedModelClient(ChatCompletionClient):
         finally:
             _reset(token)
         # Each step of an async generator runs in its consumer's context: set the tag around each step.
+        tagged = _run_under(stream, tag, None)
         try:
-            while True:
-                token = _CURRENT.set(tag)
-                try:
-                    item = await stream.__anext__()
-                except StopAsyncIteration:
-                    return
-                finally:
-                    _reset(token)
+            async for item in tagged:
                 yield item
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await tagged.aclose()  # close the inner stream now, not at garbage collection
 
     async def close(self) -> None:
         await self._inner.close()
