@@ -3,7 +3,9 @@
 A background thread drains a bounded queue and posts batches with httpx (2 s timeout). The user's
 code never waits on the server and never sees an error: failures are counted and logged once.
 Events carry an ``id``, so the server skips replays; a failed batch is dropped, not retried
-(graph facts are re-sent with every ``session_start``).
+(graph facts are re-sent with every ``session_start``). Several endpoints (the replicas behind a
+router, which sends ``/agentkv/*`` to one replica of its choosing) each get every batch; one
+failing endpoint does not stop delivery to the others.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
@@ -46,17 +48,18 @@ def events_endpoint(url: str) -> str:
 
 
 class EventSink:
-    """Posts agentkv events from a daemon thread; ``post`` never blocks and never raises."""
+    """Posts agentkv events from a daemon thread to every endpoint in ``urls``; ``post`` never
+    blocks and never raises. ``sent`` and ``failed`` count deliveries (events x endpoints)."""
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         timeout: float = 2.0,
         max_queue: int = 10_000,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.url = events_endpoint(url)
+        self.urls = _endpoints(url)
         self.timeout = timeout
         self.sent = 0
         self.failed = 0
@@ -130,17 +133,8 @@ class EventSink:
                     batches.append(more)
                 events = [e for b in batches for e in b]
                 try:
-                    for start in range(0, len(events), _MAX_BATCH):
-                        chunk = events[start : start + _MAX_BATCH]
-                        response = client.post(self.url, json={"version": PROTOCOL_VERSION, "events": chunk})
-                        if response.status_code >= 400:
-                            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-                        self.sent += len(chunk)
-                        _COUNTS["events_sent"] += len(chunk)
-                except Exception as exc:
-                    self.failed += len(events)
-                    _COUNTS["events_failed"] += len(events)
-                    ERRORS.record(f"events POST to {self.url}", exc)
+                    for url in self.urls:
+                        self._deliver(client, url, events)
                 finally:
                     with self._idle:
                         self._pending -= len(batches)
@@ -148,16 +142,39 @@ class EventSink:
                 if stop:
                     return
 
+    def _deliver(self, client: httpx.Client, url: str, events: list[dict[str, Any]]) -> None:
+        delivered = 0
+        try:
+            for start in range(0, len(events), _MAX_BATCH):
+                chunk = events[start : start + _MAX_BATCH]
+                response = client.post(url, json={"version": PROTOCOL_VERSION, "events": chunk})
+                if response.status_code >= 400:
+                    raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+                delivered += len(chunk)
+                self.sent += len(chunk)
+                _COUNTS["events_sent"] += len(chunk)
+        except Exception as exc:
+            self.failed += len(events) - delivered
+            _COUNTS["events_failed"] += len(events) - delivered
+            ERRORS.record(f"events POST to {url}", exc)
 
-_SINKS: dict[str, EventSink] = {}
+
+def _endpoints(url: str | Sequence[str]) -> tuple[str, ...]:
+    urls = (url,) if isinstance(url, str) else tuple(url)
+    if not urls:
+        raise ValueError("no events endpoint given")
+    return tuple(dict.fromkeys(events_endpoint(u) for u in urls))  # de-duplicated, in order
+
+
+_SINKS: dict[tuple[str, ...], EventSink] = {}
 _SINKS_LOCK = threading.Lock()
 
 
-def get_sink(url: str) -> EventSink:
-    """One shared sink (and thread) per events endpoint."""
-    endpoint = events_endpoint(url)
+def get_sink(url: str | Sequence[str]) -> EventSink:
+    """One shared sink (and thread) per set of events endpoints."""
+    endpoints = _endpoints(url)
     with _SINKS_LOCK:
-        sink = _SINKS.get(endpoint)
+        sink = _SINKS.get(endpoints)
         if sink is None or sink._closed:
-            sink = _SINKS[endpoint] = EventSink(endpoint)
+            sink = _SINKS[endpoints] = EventSink(endpoints)
         return sink

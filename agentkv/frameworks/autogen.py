@@ -352,14 +352,15 @@ def instrument(
     team: Any,
     *,
     session: str | Callable[[], str] | None = None,
-    events_url: str | None = None,
+    events_url: str | Sequence[str] | None = None,
     selector_name: str = "selector",
 ) -> Any:
     """Tag every model call of an AutoGen group chat (``SelectorGroupChat``, also round robin/swarm).
 
     Call it before the team's first run (AutoGen hands the selector's client to its manager then).
     ``session``: a fixed session id or a function returning one per run; default a new id per
-    run. ``events_url``: the vLLM server (base URL or full events URL) for graph facts and
+    run. ``events_url``: the vLLM server (base URL or full events URL), or a list of them (every replica
+    behind a router), for graph facts and
     ``session_start``/``session_end``/``cancel`` events. Returns the same team, instrumented;
     calling it twice is a no-op. Participants that are teams themselves are not descended into.
     """

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -599,7 +599,7 @@ class InstrumentedGraph:
         session: str | Callable[[Mapping[str, Any]], str] | None = None,
         agent_names: AgentNames = None,
         learner: Any = None,
-        events_url: str | None = None,
+        events_url: str | Sequence[str] | None = None,
         sink: EventSink | None = None,
     ) -> None:
         install()
@@ -724,7 +724,7 @@ def instrument(
     session: str | Callable[[Mapping[str, Any]], str] | None = None,
     agent_names: AgentNames = None,
     learner: Any = None,
-    events_url: str | None = None,
+    events_url: str | Sequence[str] | None = None,
 ) -> InstrumentedGraph:
     """Tag every LLM request of a compiled LangGraph app with agent, session, parent and step.
 
@@ -734,7 +734,7 @@ def instrument(
     agent, contracted out of the lineage and the facts) or a collection of the nodes that are agents.
     ``learner``: a ``GraphFacts`` (gets the graph facts and session ends), a ``TransitionLearner``
     (observes every dispatch), or a ``Predictor``/pair holding both. ``events_url``: the vLLM server
-    (base URL or full events URL); graph facts and ``session_start``/``session_end``/``cancel``
-    are POSTed there in the background.
+    (base URL or full events URL), or a list of them (every replica behind a router); graph facts
+    and ``session_start``/``session_end``/``cancel`` are POSTed there in the background.
     """
     return InstrumentedGraph(graph, session=session, agent_names=agent_names, learner=learner, events_url=events_url)

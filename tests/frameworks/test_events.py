@@ -86,7 +86,7 @@ def test_server_down_never_affects_the_app(caplog):
     assert app.sink.failed == 1 + 3 * 3 and app.sink.sent == 0  # facts; per run facts+start, end
     failures = [r for r in caplog.records if "events POST" in r.getMessage()]
     assert len(failures) == 1  # logged once, then only counted
-    assert stats()["errors"][f"events POST to {app.sink.url}"] >= 1  # POSTs coalesce queued batches
+    assert stats()["errors"][f"events POST to {app.sink.urls[0]}"] >= 1  # POSTs coalesce queued batches
 
 
 def test_slow_server_does_not_slow_the_app():
@@ -113,3 +113,19 @@ def test_http_errors_are_counted_not_raised():
         sink.close()
     assert sink.failed == 1 and sink.sent == 0 and sink.dropped == 1
     assert len(events.bodies) == 1
+
+
+def test_every_endpoint_gets_every_event_and_one_down_endpoint_does_not_stop_the_others():
+    server = FakeOpenAI()
+    thread = thread_id()
+    down = closed_port_url()
+    with EventsServer() as first, EventsServer() as second:
+        app = instrument(fan_out_app(server), events_url=[first.url, down, second.url + "/v1", first.url])
+        assert app.sink.urls == (events_endpoint(first.url), events_endpoint(down), events_endpoint(second.url))
+        app.invoke({"notes": []}, cfg(thread))
+        assert app.sink.flush(10)
+    for replica in (first, second):
+        kinds = [(e["type"], e.get("session")) for e in replica.events()]
+        assert ("session_start", thread) in kinds and ("session_end", thread) in kinds
+    assert [e["id"] for e in first.events()] == [e["id"] for e in second.events()]
+    assert app.sink.failed == len(first.events()) and app.sink.sent == 2 * len(first.events())
