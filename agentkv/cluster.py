@@ -18,7 +18,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,11 +58,14 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("--replicas must be >= 1")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown router policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if {"--host", "--port"} & set(self.vllm_args):
             raise ValueError("the cluster picks each replica's --host and --port itself")
-        if self.policy == "kv_aware" and "--block-size" not in self.vllm_args:
+        self.check_policy(self.policy)
+
+    def check_policy(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown router policy {policy!r}; choose from {', '.join(POLICIES)}")
+        if policy == "kv_aware" and "--block-size" not in self.vllm_args:
             raise ValueError("kv_aware routing needs the replicas' --block-size (the router hashes blocks too)")
 
     def _arg(self, flag: str, default: str) -> str:
@@ -79,7 +82,8 @@ class ClusterConfig:
 
 
 class Cluster:
-    """Replicas first (the router waits for healthy workers), then the router.
+    """Replicas first (the router waits for healthy workers), then the router; ``add_router``
+    puts more routers (other policies) in front of the same replicas, e.g. to compare policies.
 
     Invariant: ``processes`` lists everything started, in start order; ``stop`` stops
     them in reverse order and is idempotent.
@@ -121,22 +125,24 @@ class Cluster:
         return VLLMServer(_Command(argv, env), port=self.replica_ports[index],  # type: ignore[arg-type]
                           log_path=self.log_dir / f"replica-{index}.log")
 
-    def _router(self) -> VLLMServer:
+    def _router(self, policy: str, port: int, args: Sequence[str] = ()) -> VLLMServer:
         config = self.config
         binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
 
         def argv(port: int) -> list[str]:
-            command = [binary, "--host", _HOST, "--port", str(port), "--policy", config.policy,
-                       "--worker-urls", *self.replica_urls, "--worker-startup-timeout-secs", "600"]
-            if config.policy == "kv_aware":
+            # its own Prometheus port: the default (29000) would collide with any other router
+            command = [binary, "--host", _HOST, "--port", str(port), "--policy", policy,
+                       "--worker-urls", *self.replica_urls, "--worker-startup-timeout-secs", "600",
+                       "--prometheus-host", _HOST, "--prometheus-port", str(free_port())]
+            if policy == "kv_aware":
                 for url, events_port in zip(self.replica_urls, self.event_ports, strict=True):
                     command += ["--kv-event-source", f"{url}=tcp://{_HOST}:{events_port}"]
                 command += ["--kv-event-model", config.served_model_name,
                             "--kv-event-block-size", str(config.block_size)]
-            return command
+            return command + list(args)
 
-        return VLLMServer(_Command(argv), port=self.router_port,  # type: ignore[arg-type]
-                          log_path=self.log_dir / "router.log")
+        return VLLMServer(_Command(argv), port=port,  # type: ignore[arg-type]
+                          log_path=self.log_dir / f"router-{policy}-{port}.log")
 
     def start(self, timeout: float = 600.0) -> Cluster:
         try:
@@ -145,11 +151,20 @@ class Cluster:
                 self.processes.append(replica.launch())
             for replica in replicas:
                 replica.wait_healthy(timeout)
-            self.processes.append(self._router().start(timeout))
+            self.processes.append(self._router(self.config.policy, self.router_port).start(timeout))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_router(self, policy: str, args: Sequence[str] = (), timeout: float = 120.0) -> str:
+        """Start another vllm-router (``policy``, extra router ``args``) in front of the running
+        replicas; its URL. Start it before traffic: a ``kv_aware`` router only knows blocks stored
+        after it subscribed."""
+        self.config.check_policy(policy)
+        port = free_port()
+        self.processes.append(self._router(policy, port, args).start(timeout))
+        return f"http://{_HOST}:{port}"
 
     def stop(self) -> None:
         while self.processes:

@@ -292,7 +292,7 @@ def model_choice(agent: str, reply: AIMessage) -> str | None:
 
 class TeamState(TypedDict):
     messages: Annotated[list[AnyMessage], add_messages]  # the shared, growing history
-    session: str
+    session: str  # the workload: seeds routes and tool arguments
     turn: int
     next: str
 
@@ -380,11 +380,18 @@ def build_team(config: TeamConfig) -> Any:
 
 
 async def run_session(
-    team: Any, session: str, config: TeamConfig, callbacks: Sequence[Any] = ()
+    team: Any, session: str, config: TeamConfig, callbacks: Sequence[Any] = (), workload: str | None = None
 ) -> list[AnyMessage]:
-    """One session (one LangGraph run, thread ``session``); returns its final history."""
-    task = TASKS[random.Random(f"{config.seed}:{session}:task").randrange(len(TASKS))]
-    inputs = {"messages": [HumanMessage(task)], "session": session, "turn": 0, "next": "supervisor"}
+    """One session (one LangGraph run, thread ``session``); returns its final history.
+
+    ``workload`` (default ``session``) seeds the task, the routes and the tool arguments: sessions
+    with the same workload do the same work. A session whose id differs from its workload quotes
+    its id in the task, so two runs of one workload on the same server never share cached history.
+    """
+    workload = workload or session
+    task = TASKS[random.Random(f"{config.seed}:{workload}:task").randrange(len(TASKS))]
+    text = task if workload == session else f"Ticket {session}: {task}"
+    inputs = {"messages": [HumanMessage(text)], "session": workload, "turn": 0, "next": "supervisor"}
     run_config = {"configurable": {"thread_id": session}, "callbacks": list(callbacks),
                   "recursion_limit": 4 * config.turns + 10}
     state = await team.ainvoke(inputs, run_config)

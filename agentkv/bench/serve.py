@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import importlib.util
 import json
@@ -51,6 +52,7 @@ __all__ = [
     "CallTimer",
     "RateRun",
     "ServeConfig",
+    "Target",
     "add_anchor_hits",
     "add_arguments",
     "config_from_args",
@@ -62,12 +64,14 @@ __all__ = [
     "prefix_cache_counters",
     "run_benchmark",
     "run_rate",
+    "single_targets",
     "start_servers",
     "summarize",
 ]
 
 EXAMPLE = REPO_ROOT / "examples" / "langgraph_supervisor.py"
-SERVERS = ("vanilla", "agentkv")
+SERVERS = ("vanilla", "agentkv", "agentkv+warmup")  # the warm-up variant runs with --warmup
+COLORS = {"vanilla": "tab:gray", "agentkv": "tab:blue", "agentkv+warmup": "tab:green"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +180,50 @@ class CallTimer(BaseCallbackHandler):
 
 
 # ---------------------------------------------------------------------------------------------
-# Server-side counters
+# Where traffic goes, and server-side counters
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One server kind in one setup. ``url`` takes the model calls (a server, or a router);
+    ``engines`` are the vLLM servers behind it, whose prefix-cache counters are summed (a router
+    has none); ``events`` the agentkv servers that get graph facts and session events (all
+    replicas: a router would hand them to one). ``setup`` is ``single`` or ``POLICY/KEY``: a
+    router policy and the routing key (``session`` or ``agent``) that ``X-Session-ID`` carries.
+    ``agentkv+warmup`` is agentkv with the client's warm-up coordinator sending through ``url``."""
+
+    server: str  # one of SERVERS
+    url: str
+    engines: tuple[str, ...]
+    events: tuple[str, ...] = ()
+    setup: str = "single"
+
+    @property
+    def routing_key(self) -> str:
+        return self.setup.partition("/")[2] or "session"
+
+    @property
+    def warmup(self) -> bool:
+        return self.server == "agentkv+warmup"
+
+    @property
+    def session_suffix(self) -> str:
+        """Appended to session ids where targets share engines (the setups behind routers, the
+        warm-up variant): one workload run twice on one engine must not hit its own history."""
+        return "" if self.setup == "single" and not self.warmup else f"@{self.setup}/{self.server}"
+
+    @classmethod
+    def single(cls, server: str, url: str) -> Target:
+        return cls(server, url, (url,), () if server == "vanilla" else (url,))
+
+
+def single_targets(config: ServeConfig, urls: dict[str, str]) -> list[Target]:
+    """The single servers (``urls``: kind -> URL), plus agentkv with warm-ups when ``config.warmup``."""
+    targets = [Target.single(kind, url) for kind, url in urls.items()]
+    if config.warmup and "agentkv" in urls:
+        targets.append(Target.single("agentkv+warmup", urls["agentkv"]))
+    return targets
 
 
 def prefix_cache_counters(metrics_text: str) -> tuple[float, float]:
@@ -193,10 +239,14 @@ def prefix_cache_counters(metrics_text: str) -> tuple[float, float]:
     return totals["vllm:prefix_cache_hits_total"], totals["vllm:prefix_cache_queries_total"]
 
 
-async def _counters(client: httpx.AsyncClient, root: str) -> tuple[float, float]:
-    response = await client.get(root + "/metrics")
-    response.raise_for_status()
-    return prefix_cache_counters(response.text)
+async def _counters(client: httpx.AsyncClient, engines: Sequence[str]) -> list[tuple[float, float]]:
+    """(hits, queries) of each engine."""
+    counters = []
+    for root in engines:
+        response = await client.get(root + "/metrics")
+        response.raise_for_status()
+        counters.append(prefix_cache_counters(response.text))
+    return counters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +272,7 @@ def summarize(
     queries: float,
     sessions: int,
     failed_sessions: int = 0,
+    setup: str = "single",
 ) -> dict[str, Any]:
     """One result row: TTFT and per-turn latency in ms (mean/p50/p99), turns/s, hit rates."""
     done = [r for r in records if r.error is None and r.end is not None]
@@ -237,6 +288,7 @@ def summarize(
         totals[2] += r.cached_tokens
     return {
         "server": server,
+        "setup": setup,
         "rate": rate,
         "sessions": sessions,
         "failed_sessions": failed_sessions,
@@ -273,7 +325,8 @@ def arrival_times(rate: float, sessions: int, seed: int) -> list[float]:
 
 @dataclass
 class RateRun:
-    """The raw outcome of one rate on one server: calls, wall time, counter deltas, failures."""
+    """The raw outcome of one rate on one target: calls, wall time, counter deltas (summed over
+    the engines; ``engine_queries`` per engine), failures."""
 
     server: str
     rate: float
@@ -285,6 +338,9 @@ class RateRun:
     queries: float
     failures: list[str]
     load: tuple[float, float]  # 1-minute load average before and after
+    setup: str = "single"
+    engine_queries: tuple[float, ...] = ()
+    warmups: dict[str, int] | None = None  # the coordinator's sent/failed/skipped counts
 
     def row(self) -> dict[str, Any]:
         return pooled_row([self])
@@ -298,10 +354,15 @@ def pooled_row(runs: Sequence[RateRun]) -> dict[str, Any]:
         [r for run in runs for r in run.records], server=first.server, rate=first.rate,
         wall=sum(run.wall for run in runs), hits=sum(run.hits for run in runs),
         queries=sum(run.queries for run in runs), sessions=sum(run.sessions for run in runs),
-        failed_sessions=sum(len(run.failures) for run in runs),
+        failed_sessions=sum(len(run.failures) for run in runs), setup=first.setup,
     )
     row["offered_turns_per_s"] = first.rate * first.turns_per_session
     row["repeats"] = len(runs)
+    if len(first.engine_queries) > 1:  # how the router spread the prompt tokens over the replicas
+        per_engine = [sum(q) for q in zip(*(run.engine_queries for run in runs), strict=True)]
+        row["engine_share"] = [q / sum(per_engine) if sum(per_engine) else math.nan for q in per_engine]
+    if first.warmups is not None:
+        row["warmups"] = dict(sum((collections.Counter(run.warmups) for run in runs), collections.Counter()))
     failures = [f for run in runs for f in run.failures]
     if failures:
         row["failures"] = failures[:5]
@@ -334,22 +395,25 @@ def _load() -> float:
 async def run_rate(
     app: Any,
     team: Any,
-    root: str,
+    target: Target,
     *,
     rate: float,
     sessions: int,
     seed: int,
     prefix: str,
     concurrency: int = 16,
-    server: str = "",
     example: ModuleType | None = None,
 ) -> RateRun:
-    """Run ``sessions`` sessions arriving at ``rate`` per second on one server.
+    """Run ``sessions`` sessions arriving at ``rate`` per second on one target.
 
-    ``app`` is the instrumented LangGraph app, ``team`` its ``TeamConfig``, ``root`` the server's
-    base URL (for ``/metrics``). Session ids are ``{prefix}-{i}``: the same ids (and seed) give
-    the same tasks and routes on every server.
+    ``app`` is the instrumented LangGraph app, ``team`` its ``TeamConfig`` (pointing at
+    ``target.url``). Workloads are ``{prefix}-{i}``: the same workloads (and seed) give the same
+    tasks and routes on every target; session ids add ``target.session_suffix``. ``X-Session-ID``
+    carries ``target.routing_key`` during the run; ``agentkv+warmup`` runs a ``WarmupCoordinator``.
     """
+    from agentkv.frameworks import set_routing_key
+    from agentkv.warmup import WarmupCoordinator
+
     example = example or load_example()
     timer = CallTimer()
     limit = asyncio.Semaphore(concurrency)
@@ -359,20 +423,36 @@ async def run_rate(
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         async with limit:
             try:
-                await example.run_session(app, f"{prefix}-{i}", team, callbacks=[timer])
+                workload = f"{prefix}-{i}"
+                await example.run_session(app, workload + target.session_suffix, team, callbacks=[timer],
+                                          workload=workload)
             except Exception as exc:  # a failed session is counted, the run goes on
                 failures.append(f"{type(exc).__name__}: {exc}"[:300])
 
     load0 = _load()
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
-        hits0, queries0 = await _counters(client, root)
+        before = await _counters(client, target.engines)
+        previous_key = set_routing_key(target.routing_key)
+        warmup = WarmupCoordinator(target.url).start() if target.warmup else None
         t0 = time.perf_counter()
-        await asyncio.gather(*(session(i, at, t0) for i, at in enumerate(arrival_times(rate, sessions, seed))))
+        try:
+            await asyncio.gather(*(session(i, at, t0) for i, at in enumerate(arrival_times(rate, sessions, seed))))
+        finally:
+            set_routing_key(previous_key)
+            if warmup is not None:
+                warmup.close()
         wall = time.perf_counter() - t0
         await asyncio.sleep(0.2)  # let the engine's counters settle
-        hits1, queries1 = await _counters(client, root)
-    return RateRun(server, rate, sessions, team.turns, timer.records, wall, hits1 - hits0, queries1 - queries0,
-                   failures, (load0, _load()))
+        after = await _counters(client, target.engines)
+    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    queries = tuple(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    warmups = None
+    if warmup is not None:
+        stats = warmup.stats()
+        warmups = {k: stats[k] for k in ("sent", "failed", "dropped")} | {
+            f"skipped_{reason}": n for reason, n in stats["skipped"].items()}
+    return RateRun(target.server, rate, sessions, team.turns, timer.records, wall, sum(hits), sum(queries),
+                   failures, (load0, _load()), target.setup, queries, warmups)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,10 +470,7 @@ def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterator[dict[str, Any]]:
-    """Build the tiny model, start both servers (in parallel), yield {name: VLLMServer}, stop them.
-
-    The servers are stopped on any exit: errors, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt).
-    """
+    """Build the tiny model, start both servers (in parallel), yield {name: VLLMServer}, stop them."""
     from agentkv.testing.tiny_model import build_tiny_model
     from agentkv.testing.vllm_server import VLLMServer
 
@@ -404,19 +481,27 @@ def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterat
         name: VLLMServer(spec, log_path=log_dir / f"{name}-server.log")
         for name, spec in server_specs(config, model_dir).items()
     }
+    with running(list(servers.values())):
+        yield servers
+
+
+@contextlib.contextmanager
+def running(processes: Sequence[Any]) -> Iterator[None]:
+    """Start every process (objects with ``start()`` and an idempotent ``stop()``) in parallel,
+    and stop them all on any exit: errors, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt)."""
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         errors: list[BaseException] = []
 
-        def start(server: Any) -> None:
+        def start(process: Any) -> None:
             try:
-                server.start()
+                process.start()
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=start, args=(s,), daemon=True) for s in servers.values()]
+        threads = [threading.Thread(target=start, args=(p,), daemon=True) for p in processes]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -424,10 +509,10 @@ def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterat
                 thread.join(0.5)
         if errors:
             raise errors[0]
-        yield servers
+        yield
     finally:
-        for server in servers.values():
-            server.stop()
+        for process in processes:
+            process.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
@@ -441,48 +526,54 @@ def _sigterm(signum: int, frame: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-async def _run_async(config: ServeConfig, roots: dict[str, str], log: Any) -> dict[str, Any]:
+async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any) -> dict[str, Any]:
     import agentkv
 
     example = load_example()
-    apps: dict[str, tuple[Any, Any]] = {}
-    for name, root in roots.items():
-        team = example.TeamConfig(base_url=root + "/v1", max_tokens=config.max_tokens, turns=config.turns,
+    apps: list[tuple[Target, Any, Any]] = []
+    for target in targets:
+        team = example.TeamConfig(base_url=target.url + "/v1", max_tokens=config.max_tokens, turns=config.turns,
                                   tool_gap=config.tool_gap, seed=config.seed, tool_choice="none", routing="markov")
-        events = example.agentkv_root(team.base_url)  # only the agentkv server takes events
-        apps[name] = (agentkv.instrument(example.build_team(team), events_url=events), team)
-    for name, (app, team) in apps.items():
+        app = agentkv.instrument(example.build_team(team), events_url=list(target.events) or None)
+        apps.append((target, app, team))
+    for target, app, team in apps:
         if config.warmup_sessions:
-            log(f"warm-up: {config.warmup_sessions} sessions on {name}")
-            await run_rate(app, team, roots[name], rate=max(config.rates), sessions=config.warmup_sessions,
-                           seed=config.seed, prefix="warmup", concurrency=2, server=name, example=example)
-    runs: dict[tuple[float, str], list[RateRun]] = {}
+            log(f"warm-up: {config.warmup_sessions} sessions on {_label(target)}")
+            await run_rate(app, team, target, rate=max(config.rates), sessions=config.warmup_sessions,
+                           seed=config.seed, prefix="warmup", concurrency=2, example=example)
+    runs: dict[tuple[float, str, str], list[RateRun]] = {}
     for repeat in range(config.repeats):
         for index, rate in enumerate(config.rates):
-            # alternate who goes first; the same session ids (so tasks and routes) on both servers
-            order = list(apps) if (index + repeat) % 2 == 0 else list(reversed(apps))
-            for name in order:
-                app, team = apps[name]
-                run = await run_rate(app, team, roots[name], rate=rate, sessions=config.sessions,
+            # alternate who goes first; the same session ids (so tasks and routes) on every target
+            order = apps if (index + repeat) % 2 == 0 else list(reversed(apps))
+            for target, app, team in order:
+                run = await run_rate(app, team, target, rate=rate, sessions=config.sessions,
                                      seed=config.seed + repeat, prefix=f"x{repeat}-r{index}",
-                                     concurrency=config.concurrency, server=name, example=example)
-                runs.setdefault((rate, name), []).append(run)
+                                     concurrency=config.concurrency, example=example)
+                runs.setdefault((rate, target.setup, target.server), []).append(run)
                 row = run.row()
                 log(f"{'' if config.repeats == 1 else f'[{repeat + 1}/{config.repeats}] '}rate {rate:g}/s "
-                    f"{name:8s} hit {row['hit_rate']:.1%}  TTFT mean {row['ttft_mean_ms']:.0f} ms "
+                    f"{_label(target):24s} hit {row['hit_rate']:.1%}  TTFT mean {row['ttft_mean_ms']:.0f} ms "
                     f"p99 {row['ttft_p99_ms']:.0f} ms  turn {row['turn_mean_ms']:.0f} ms  "
                     f"{row['throughput']:.2f} turns/s  ({row['turns']} turns, {row['errors']} errors, "
                     f"load {run.load[0]:.1f}->{run.load[1]:.1f})")
                 await asyncio.sleep(1.0)  # let the background event posts drain
     rows = [pooled_row(group) for group in runs.values()]
     result: dict[str, Any] = {"config": _jsonable(asdict(config)), "rows": rows}
-    agentkv_root = roots.get("agentkv")
-    if agentkv_root:
+    engines = list(dict.fromkeys(e for t in targets if t.server != "vanilla" for e in t.engines))
+    if engines:
         async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
             with contextlib.suppress(httpx.HTTPError):
-                result["agentkv_stats"] = (await client.get(agentkv_root + "/agentkv/v1/stats")).json()
-                add_anchor_hits(rows, result["agentkv_stats"])
+                stats = [(await client.get(e + "/agentkv/v1/stats")).json() for e in engines]
+                result["agentkv_stats"] = stats[0]
+                if len(stats) > 1:
+                    result["agentkv_engine_stats"] = dict(zip(engines, stats, strict=True))
+                add_anchor_hits(rows, stats[0])
     return result
+
+
+def _label(target: Target) -> str:
+    return target.server if target.setup == "single" else f"{target.server} {target.setup}"
 
 
 def add_anchor_hits(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> None:
@@ -496,15 +587,25 @@ def add_anchor_hits(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> No
 
 
 def run_benchmark(
-    config: ServeConfig, *, servers: dict[str, Any] | None = None, log: Any = print
+    config: ServeConfig, *, servers: dict[str, Any] | None = None, targets: Sequence[Target] | None = None,
+    log: Any = print,
 ) -> dict[str, Any]:
-    """Run every rate on both servers; ``servers`` ({"vanilla": ..., "agentkv": ...} objects with a
-    ``base_url``) skips starting our own. Returns ``{"config", "rows", "agentkv_stats"}``."""
+    """Run every rate on every target. ``servers`` ({"vanilla": ..., "agentkv": ...} objects with a
+    ``base_url``) or ``targets`` skip starting our own; otherwise both single servers start, plus,
+    with ``config.replicas > 1``, both kinds of replicas behind ``config.routers`` (see
+    :mod:`agentkv.bench.serve_replicas`). Returns ``{"config", "rows", "agentkv_stats"}``."""
+    if targets is not None:
+        return asyncio.run(_run_async(config, targets, log))
     if servers is not None:
-        return asyncio.run(_run_async(config, {n: s.base_url for n, s in servers.items()}, log))
+        return asyncio.run(_run_async(config, single_targets(config, {n: s.base_url for n, s in servers.items()}), log))
+    if config.replicas > 1:
+        from agentkv.bench.serve_replicas import start_targets
+
+        with start_targets(config, log=log) as started:
+            return asyncio.run(_run_async(config, started, log))
     with start_servers(config) as started:
         log("servers up: " + ", ".join(f"{n} {s.base_url} ({s.startup_seconds:.0f} s)" for n, s in started.items()))
-        return asyncio.run(_run_async(config, {n: s.base_url for n, s in started.items()}, log))
+        return asyncio.run(_run_async(config, single_targets(config, {n: s.base_url for n, s in started.items()}), log))
 
 
 def _jsonable(value: Any) -> Any:
@@ -523,22 +624,34 @@ def _jsonable(value: Any) -> Any:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    """One line per (rate, server), plus agentkv's TTFT as a fraction of vanilla's at that rate."""
-    by_key = {(r["rate"], r["server"]): r for r in rows}
-    lines = [
-        "| sessions/s | server | hit rate | anchor kept | TTFT mean | TTFT p50 | TTFT p99 | turn mean | turn p99 "
-        "| turns/s | TTFT vs vanilla | load avg |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in sorted(rows, key=lambda r: (r["rate"], SERVERS.index(r["server"]) if r["server"] in SERVERS else 9)):
-        base = by_key.get((r["rate"], "vanilla"))
+    """One line per (rate, setup, server), plus agentkv's TTFT as a fraction of vanilla's in the
+    same rate and setup. The setup column (and the replicas' share of the prompt tokens) appears
+    when some row ran behind a router."""
+    by_key = {(r["rate"], r.get("setup", "single"), r["server"]): r for r in rows}
+    setups = list(dict.fromkeys(r.get("setup", "single") for r in rows))
+    routed = setups != ["single"]
+    head = "| sessions/s | " + ("setup | " if routed else "") + "server | hit rate | anchor kept | TTFT mean " \
+        "| TTFT p50 | TTFT p99 | turn mean | turn p99 | turns/s | TTFT vs vanilla | " \
+        + ("replica share | " if routed else "") + "load avg |"
+    lines = [head, "|---:|" + ("---|" if routed else "") + "---|" + "---:|" * (9 + routed) + "---:|"]
+
+    def order(r: dict[str, Any]) -> tuple[Any, ...]:
+        server = SERVERS.index(r["server"]) if r["server"] in SERVERS else 9
+        return r["rate"], setups.index(r.get("setup", "single")), server
+
+    for r in sorted(rows, key=order):
+        setup = r.get("setup", "single")
+        base = by_key.get((r["rate"], setup, "vanilla"))
         ratio = f"{r['ttft_mean_ms'] / base['ttft_mean_ms']:.2f}x" if base and r is not base else ""
         errors = f" ({r['errors']} errors)" if r.get("errors") else ""
+        share = "/".join(f"{x:.0%}" for x in r.get("engine_share", []))
         lines.append(
-            f"| {r['rate']:g} | {r['server']}{errors} | {r['hit_rate']:.1%} | {_pct(r.get('anchor_hit_rate'))} "
+            f"| {r['rate']:g} | " + (f"{setup} | " if routed else "")
+            + f"{r['server']}{errors} | {r['hit_rate']:.1%} | {_pct(r.get('anchor_hit_rate'))} "
             f"| {r['ttft_mean_ms']:.0f} ms "
             f"| {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {r['turn_mean_ms']:.0f} ms "
-            f"| {r['turn_p99_ms']:.0f} ms | {r['throughput']:.2f} | {ratio} | {_load_range(r.get('load'))} |"
+            f"| {r['turn_p99_ms']:.0f} ms | {r['throughput']:.2f} | {ratio} | "
+            + (f"{share} | " if routed else "") + f"{_load_range(r.get('load'))} |"
         )
     return "\n".join(lines)
 
@@ -562,13 +675,12 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path | 
     except ImportError:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    colors = {"vanilla": "tab:gray", "agentkv": "tab:blue"}
     for server in SERVERS:
         data = sorted((r for r in rows if r["server"] == server), key=lambda r: r["rate"])
         if not data:
             continue
         rates = [r["rate"] for r in data]
-        color = colors[server]
+        color = COLORS[server]
         axes[0].plot(rates, [r["ttft_mean_ms"] for r in data], "o-", color=color, label=f"{server} mean")
         axes[0].plot(rates, [r["ttft_p99_ms"] for r in data], "o--", color=color, alpha=0.6, label=f"{server} p99")
         axes[1].plot(rates, [100 * r["hit_rate"] for r in data], "o-", color=color, label=server)
@@ -596,7 +708,13 @@ def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = No
     c = result["config"]
     title = (f"{c['sessions']} sessions/rate x {c.get('repeats', 1)} repeats, {c['turns']} turns, "
              f"{int(c['blocks']) - 1} blocks x {c['block_size']} tokens, tool gap {c['tool_gap']} s, seed {c['seed']}")
-    png = plot(result["rows"], plot_path or out / "serve.png", title)
+    if any(r.get("setup", "single") != "single" for r in result["rows"]):
+        from agentkv.bench.serve_replicas import plot_setups
+
+        title += f"; {c['replicas']} replicas share the blocks"
+        png = plot_setups(result["rows"], plot_path or out / "serve.png", title)
+    else:
+        png = plot(result["rows"], plot_path or out / "serve.png", title)
     if png is not None:
         paths["png"] = png
     return paths

@@ -27,6 +27,30 @@ class ServeConfig:
     concurrency: int = 16  # sessions running at once, at most
     out: Path = Path(".build/bench-serve")
     model_dir: Path = REPO_ROOT / ".build" / "tiny-model"
+    # scale-out (replicas > 1): each replica gets (blocks - 1) / replicas usable blocks, so the
+    # replicas together hold what one server holds; both kinds of replicas run behind each router
+    replicas: int = 1
+    routers: list[str] = field(default_factory=lambda: ["kv_aware", "consistent_hash", "round_robin"])
+    routing_keys: list[str] = field(default_factory=lambda: ["session", "agent"])
+    warmup: bool = False  # also run agentkv with the client's warm-up coordinator ("agentkv+warmup")
+
+    def __post_init__(self) -> None:
+        from agentkv.cluster import POLICIES  # light: no vLLM import
+
+        if self.replicas < 1:
+            raise ValueError("--replicas must be >= 1")
+        if unknown := set(self.routers) - set(POLICIES):
+            raise ValueError(f"unknown router policy {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+        if unknown := set(self.routing_keys) - {"session", "agent"}:
+            raise ValueError(f"unknown routing key {sorted(unknown)}; choose from session, agent")
+        if self.replicas > 1 and (self.blocks - 1) // self.replicas * self.block_size < self.max_model_len:
+            raise ValueError(f"--blocks {self.blocks} split over {self.replicas} replicas leaves less than "
+                             f"--max-model-len {self.max_model_len} tokens per replica")
+
+    @property
+    def replica_blocks(self) -> int:
+        """--num-gpu-blocks-override of each replica (vLLM reserves one block)."""
+        return (self.blocks - 1) // self.replicas + 1
 
 
 
@@ -44,6 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
     parser.add_argument("--tool-gap", type=float, default=d.tool_gap, help="seconds each tool step takes")
     parser.add_argument("--concurrency", type=int, default=d.concurrency, help="max sessions running at once")
+    parser.add_argument("--replicas", type=int, default=d.replicas,
+                        help="> 1: also run vanilla and agentkv replicas (sharing --blocks) behind vllm-router")
+    parser.add_argument("--router", default=",".join(d.routers),
+                        help="router policies to compare, comma-separated (with --replicas; default %(default)s)")
+    parser.add_argument("--routing-key", default=",".join(d.routing_keys),
+                        help="what X-Session-ID carries: session and/or agent, comma-separated (default %(default)s;"
+                             " round_robin ignores it and runs once)")
+    parser.add_argument("--warmup", action="store_true",
+                        help="also run agentkv with anchor warm-ups (agentkv+warmup) in every setup")
     parser.add_argument("--out", type=Path, default=d.out, help="directory for serve.json, serve.md, serve.png")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/serve.png)")
 
@@ -61,4 +94,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         tool_gap=args.tool_gap,
         concurrency=args.concurrency,
         out=args.out,
+        replicas=args.replicas,
+        routers=_names(args.router),
+        routing_keys=_names(args.routing_key),
+        warmup=args.warmup,
     )
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in str(text).split(",") if name.strip()]

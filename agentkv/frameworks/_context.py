@@ -521,8 +521,9 @@ _ROUTING_KEYS: Final = ("session", "agent")
 _routing_key = "session"
 
 
-def set_routing_key(key: str) -> None:
-    """What ``X-Session-ID`` carries, i.e. what a router's session affinity groups by.
+def set_routing_key(key: str) -> str:
+    """What ``X-Session-ID`` carries, i.e. what a router's session affinity groups by; returns
+    the previous key (to restore it).
 
     ``"session"`` (default) keeps a session's history on one replica; ``"agent"`` keeps each
     agent's anchor on one replica. The agentkv tag itself is unchanged either way.
@@ -530,7 +531,8 @@ def set_routing_key(key: str) -> None:
     global _routing_key
     if key not in _ROUTING_KEYS:
         raise ValueError(f"routing key must be one of {_ROUTING_KEYS}, not {key!r}")
-    _routing_key = key
+    previous, _routing_key = _routing_key, key
+    return previous
 
 
 def routing_header(agent: str, session: str | None) -> dict[str, str]:

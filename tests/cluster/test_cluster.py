@@ -4,34 +4,18 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from agentkv.cluster import Cluster, ClusterConfig
+from agentkv.bench.serve import prefix_cache_counters
+from agentkv.cluster import Cluster
+from agentkv.frameworks import routing_header, set_routing_key
 from agentkv.protocol import STATS_PATH, AgentTag
 
+from .conftest import BLOCK
+
 pytestmark = pytest.mark.server
-
-BLOCK = 32
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    config = ClusterConfig(
-        str(tiny_model_dir),
-        replicas=2,
-        policy="kv_aware",
-        vllm_args=["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", "2048",
-                   "--block-size", str(BLOCK), "--num-gpu-blocks-override", "81", "--enforce-eager"],
-        sync_interval=1.0,
-        name="pytest",
-        log_dir=tmp_path_factory.mktemp("cluster"),
-    )
-    with Cluster(config) as running:
-        yield running
 
 
 def _tokens(seed: str, n: int) -> list[int]:
@@ -39,9 +23,9 @@ def _tokens(seed: str, n: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-def _complete(client: httpx.Client, prompt: list[int], tag: AgentTag) -> int:
+def _complete(client: httpx.Client, prompt: list[int], tag: AgentTag, headers: dict[str, str] | None = None) -> int:
     response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
-                           headers=tag.to_headers())
+                           headers=tag.to_headers() | (headers or {}))
     response.raise_for_status()
     return (response.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens") or 0
 
@@ -72,6 +56,38 @@ def test_warmup_lands_on_the_replica_that_serves_the_predicted_call(cluster):
         real_call = AgentTag("reviewer", "warm-1", "coder", 3)
         hit = _complete(client, anchor + _tokens("history-warm-1", 2 * BLOCK), real_call)
     assert hit >= len(anchor) // BLOCK * BLOCK - BLOCK  # the whole anchor, save a partial last block
+
+
+@pytest.fixture(scope="module")
+def hash_router(cluster: Cluster) -> str:
+    return cluster.add_router("consistent_hash")
+
+
+@pytest.mark.parametrize("key", ["session", "agent"])
+def test_warmups_follow_the_routing_key_under_consistent_hash(cluster, hash_router, key):
+    """The coordinator's headers (warm-up tag + the predicted call's X-Session-ID): whichever
+    replica the key hashes to, the warm-up and the call meet there, and the keys spread over both."""
+    previous = set_routing_key(key)
+    used = set()
+    try:
+        with httpx.Client(base_url=hash_router, timeout=120, trust_env=False) as client:
+            for i in range(12):
+                agent, session = f"agent{i}", f"session-{i}"
+                anchor = _tokens(f"anchor-{key}-{i}-{time.time_ns()}", 6 * BLOCK)  # cold everywhere
+                before = _queries(cluster)
+                _complete(client, anchor, AgentTag(agent, warmup=True), routing_header(agent, session))
+                used |= {r for r, (b, a) in enumerate(zip(before, _queries(cluster), strict=True)) if a > b}
+                hit = _complete(client, anchor + _tokens(f"history-{session}", 2 * BLOCK),
+                                AgentTag(agent, session, "planner", 1), routing_header(agent, session))
+                assert hit >= len(anchor) - BLOCK, (i, hit)
+    finally:
+        set_routing_key(previous)
+    assert used == {0, 1}  # not one replica by accident: the keys hashed to both
+
+
+def _queries(cluster: Cluster) -> list[float]:
+    return [prefix_cache_counters(httpx.get(u + "/metrics", trust_env=False, timeout=10).text)[1]
+            for u in cluster.replica_urls]
 
 
 def test_stopping_a_replica_mid_run_loses_no_retryable_request(cluster):

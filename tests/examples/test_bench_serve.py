@@ -130,3 +130,104 @@ def test_tiny_benchmark_on_both_servers(vanilla_server, agentkv_server, tmp_path
     assert json.loads(paths["json"].read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     assert "| 4 | agentkv |" in paths["md"].read_text()
     assert paths["png"].stat().st_size > 10_000
+
+
+def test_replica_options_reach_the_config_and_bad_ones_are_refused(monkeypatch, tmp_path):
+    import agentkv.__main__ as cli
+
+    seen = {}
+    monkeypatch.setattr(serve, "main", lambda args: seen.setdefault("config", serve.config_from_args(args)))
+    cli.main(["bench", "serve", "--replicas", "2", "--router", "kv_aware, round_robin", "--routing-key", "agent",
+              "--blocks", "181", "--out", str(tmp_path)])
+    config = seen["config"]
+    assert (config.replicas, config.routers, config.routing_keys) == (2, ["kv_aware", "round_robin"], ["agent"])
+    assert config.replica_blocks == 91  # 2 x 90 usable blocks = the single server's 180
+    with pytest.raises(ValueError, match="unknown router policy"):
+        ServeConfig(routers=["least_loaded"])
+    with pytest.raises(ValueError, match="unknown routing key"):
+        ServeConfig(routing_keys=["user"])
+    with pytest.raises(ValueError, match="less than --max-model-len"):
+        ServeConfig(replicas=4, blocks=201)  # 50 blocks x 32 tokens < 2048
+
+
+def test_targets_cover_every_policy_and_key_once_and_events_go_to_every_agentkv_replica():
+    from agentkv.bench.serve_replicas import targets_for
+
+    config = ServeConfig(replicas=2, routers=["kv_aware", "round_robin"], routing_keys=["session", "agent"])
+    replicas = {"vanilla": ["http://v0", "http://v1"], "agentkv": ["http://a0", "http://a1"]}
+    routers = {kind: {p: f"http://{kind}-{p}" for p in config.routers} for kind in replicas}
+    targets = targets_for(config, {"vanilla": "http://v", "agentkv": "http://a"}, routers, replicas)
+    assert [(t.setup, t.server) for t in targets] == [
+        ("single", "vanilla"), ("single", "agentkv"),
+        ("kv_aware/session", "vanilla"), ("kv_aware/session", "agentkv"),
+        ("kv_aware/agent", "vanilla"), ("kv_aware/agent", "agentkv"),
+        ("round_robin/session", "vanilla"), ("round_robin/session", "agentkv"),  # the key is moot: once
+    ]
+    by = {(t.setup, t.server): t for t in targets}
+    assert by["single", "agentkv"] == serve.Target("agentkv", "http://a", ("http://a",), ("http://a",))
+    assert by["single", "vanilla"].events == () and by["kv_aware/agent", "vanilla"].events == ()
+    routed = by["kv_aware/agent", "agentkv"]
+    assert (routed.url, routed.engines, routed.events) == ("http://agentkv-kv_aware", ("http://a0", "http://a1"),
+                                                           ("http://a0", "http://a1"))
+    assert (routed.routing_key, by["single", "agentkv"].routing_key) == ("agent", "session")
+
+
+def test_routed_rows_sum_engines_show_the_replica_share_and_compare_within_a_setup():
+    def run(server, setup, ttft, hits, queries):
+        return serve.RateRun(server, 1.0, 1, 1, [_record(ttft=ttft)], 1.0, sum(hits), sum(queries), [], (1.0, 1.0),
+                             setup, tuple(queries))
+
+    rows = [
+        run("vanilla", "single", 0.2, [10], [40]).row(),
+        run("agentkv", "single", 0.1, [20], [40]).row(),
+        serve.pooled_row([run("vanilla", "kv_aware/session", 0.4, [5, 5], [30, 10]),
+                          run("vanilla", "kv_aware/session", 0.4, [5, 5], [10, 30])]),
+        run("agentkv", "kv_aware/session", 0.1, [10, 20], [20, 20]).row(),
+    ]
+    assert "engine_share" not in rows[0] and rows[2]["engine_share"] == [0.5, 0.5]
+    assert rows[2]["hit_rate"] == pytest.approx(0.25) and rows[3]["hit_rate"] == pytest.approx(0.75)
+    lines = serve.markdown_table(rows).splitlines()
+    assert "| setup | server |" in lines[0] and "| replica share |" in lines[0]
+    assert lines[1].count("|") == lines[0].count("|")
+    assert lines[3].startswith("| 1 | single | agentkv | 50.0% |") and "| 0.50x |" in lines[3]
+    assert lines[5].startswith("| 1 | kv_aware/session | agentkv | 75.0% |") and "| 0.25x | 50%/50% |" in lines[5]
+    plain = serve.markdown_table(rows[:2]).splitlines()
+    assert "setup" not in plain[0] and plain[3].startswith("| 1 | agentkv | 50.0% |")
+
+
+def test_example_workloads_repeat_the_work_not_the_prompt():
+    example = serve.load_example()
+    team = example.TeamConfig(base_url="http://127.0.0.1:9/v1", routing="markov")
+    tasks = {}
+
+    class Capture:
+        async def ainvoke(self, inputs, config):
+            tasks[config["configurable"]["thread_id"]] = (inputs["session"], inputs["messages"][0].content)
+            return inputs
+
+    import asyncio
+
+    for session in ("x-1", "x-1@kv_aware/agent"):
+        asyncio.run(example.run_session(Capture(), session, team, workload="x-1"))
+    (plain_workload, plain_text), (routed_workload, routed_text) = tasks["x-1"], tasks["x-1@kv_aware/agent"]
+    assert plain_workload == routed_workload == "x-1"  # same routes and tool arguments
+    assert plain_text in example.TASKS and routed_text == f"Ticket x-1@kv_aware/agent: {plain_text}"
+
+
+def test_warmup_variant_shares_agentkv_engines_but_never_its_sessions():
+    from agentkv.bench.serve_replicas import targets_for
+
+    config = ServeConfig(replicas=2, routers=["consistent_hash"], routing_keys=["agent"], warmup=True)
+    replicas = {"vanilla": ["http://v0", "http://v1"], "agentkv": ["http://a0", "http://a1"]}
+    routers = {kind: {"consistent_hash": f"http://{kind}-ch"} for kind in replicas}
+    targets = targets_for(config, {"vanilla": "http://v", "agentkv": "http://a"}, routers, replicas)
+    assert [(t.setup, t.server) for t in targets] == [
+        ("single", "vanilla"), ("single", "agentkv"), ("single", "agentkv+warmup"),
+        ("consistent_hash/agent", "vanilla"), ("consistent_hash/agent", "agentkv"),
+        ("consistent_hash/agent", "agentkv+warmup"),
+    ]
+    single, single_warm, routed, routed_warm = targets[1], targets[2], targets[4], targets[5]
+    assert (single_warm.url, single_warm.engines, single_warm.warmup) == (single.url, single.engines, True)
+    assert (routed_warm.url, routed_warm.events) == (routed.url, routed.events) == ("http://agentkv-ch", ("http://a0", "http://a1"))
+    suffixes = [t.session_suffix for t in targets]
+    assert suffixes[:2] == ["", ""] and len(set(suffixes[1:])) == len(suffixes) - 1

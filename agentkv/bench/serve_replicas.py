@@ -1,0 +1,120 @@
+"""``agentkv bench serve --replicas N --router POLICY[,POLICY]``: the serve benchmark scaled out.
+
+Started once, all on 127.0.0.1: the two single servers of the plain benchmark (the reference,
+``--blocks`` each), N vanilla replicas and N agentkv replicas (``agentkv.cluster.Cluster``, KV
+events on, agentkv replicas merging their learned counts), each replica holding
+``(blocks - 1) / N`` usable blocks so the replicas together hold what one server holds, and one
+``vllm-router`` per policy in front of each set of replicas. Every router starts before any
+traffic, so a ``kv_aware`` router has seen every block stored.
+
+The targets, run in turn with the same sessions (order alternating between repeats): the single
+servers, then per policy and routing key (``X-Session-ID`` carries the session or the agent;
+``round_robin`` ignores it and runs once) the vanilla replicas and the agentkv replicas behind
+their routers. Hit rate sums the replicas' prefix-cache counters (a router has none); session
+events go to every agentkv replica (a router would hand them to one).
+
+Caveat of sharing replicas between policies: each run starts from the cache the previous run
+left; a run turns the cache over many times, and both kinds of replicas see the same sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from agentkv.bench.serve import COLORS, SERVERS, Target, running, server_specs, single_targets
+from agentkv.bench.serve_args import ServeConfig
+
+__all__ = ["plot_setups", "replica_args", "start_targets", "targets_for"]
+
+
+def replica_args(config: ServeConfig) -> list[str]:
+    """The vLLM arguments of every replica: the single servers' arguments with a share of the blocks."""
+    return ["--served-model-name", "tiny", "--dtype", "bfloat16", "--max-model-len", str(config.max_model_len),
+            "--block-size", str(config.block_size), "--num-gpu-blocks-override", str(config.replica_blocks),
+            "--enforce-eager"]
+
+
+def targets_for(
+    config: ServeConfig, singles: dict[str, str], routers: dict[str, dict[str, str]], replicas: dict[str, list[str]]
+) -> list[Target]:
+    """``singles``: server kind -> URL; ``routers``: kind -> policy -> router URL; ``replicas``:
+    kind -> replica URLs. Singles first, then each policy and key, in the order of ``SERVERS``
+    (``agentkv+warmup``, with ``config.warmup``, uses the agentkv replicas and routers)."""
+    targets = single_targets(config, singles)
+    kinds = SERVERS if config.warmup else SERVERS[:2]
+    for policy in config.routers:
+        keys = config.routing_keys[:1] if policy == "round_robin" else config.routing_keys
+        for key in keys:
+            for kind in kinds:
+                behind = "vanilla" if kind == "vanilla" else "agentkv"
+                urls = tuple(replicas[behind])
+                targets.append(Target(kind, routers[behind][policy], urls, () if kind == "vanilla" else urls,
+                                      f"{policy}/{key}"))
+    return targets
+
+
+@contextlib.contextmanager
+def start_targets(config: ServeConfig, *, log: Any = print) -> Iterator[list[Target]]:
+    """Start the single servers, both kinds of replicas and every router; yield the targets; stop all."""
+    from agentkv.cluster import Cluster, ClusterConfig
+    from agentkv.testing.tiny_model import build_tiny_model
+    from agentkv.testing.vllm_server import VLLMServer
+
+    model_dir = build_tiny_model(config.model_dir)
+    config.out.mkdir(parents=True, exist_ok=True)
+    singles = {name: VLLMServer(spec, log_path=config.out / f"{name}-server.log")
+               for name, spec in server_specs(config, model_dir).items()}
+    clusters = {
+        kind: Cluster(ClusterConfig(str(model_dir), replicas=config.replicas, policy=config.routers[0],
+                                    vanilla=kind == "vanilla", vllm_args=replica_args(config),
+                                    name=f"bench-{kind}", log_dir=config.out / f"{kind}-replicas"))
+        for kind in SERVERS[:2]
+    }
+    with running([*singles.values(), *clusters.values()]):
+        routers = {kind: {config.routers[0]: cluster.url} | {p: cluster.add_router(p) for p in config.routers[1:]}
+                   for kind, cluster in clusters.items()}
+        log(f"up: single servers ({config.blocks - 1} blocks) " + ", ".join(s.base_url for s in singles.values())
+            + f"; {config.replicas} replicas per kind ({config.replica_blocks - 1} blocks each); routers "
+            + ", ".join(f"{kind} {policy} {url}" for kind, by in routers.items() for policy, url in by.items()))
+        yield targets_for(config, {n: s.base_url for n, s in singles.items()}, routers,
+                          {kind: cluster.replica_urls for kind, cluster in clusters.items()})
+
+
+def plot_setups(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path | None:
+    """Bars per setup (single server, then each router policy/key): hit rate, TTFT mean and p99,
+    throughput; vanilla and agentkv side by side. Pools rates. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    metrics = (("hit_rate", "prefix-cache hit rate (%)", 100.0), ("ttft_mean_ms", "TTFT mean (ms)", 1.0),
+               ("ttft_p99_ms", "TTFT p99 (ms)", 1.0), ("throughput", "throughput (turns/s)", 1.0))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 4.2))
+    servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
+    width = 0.8 / len(servers)
+    for ax, (key, label, scale) in zip(axes, metrics, strict=True):
+        for index, server in enumerate(servers):
+            offset = (index - (len(servers) - 1) / 2) * width
+            values = []
+            for setup in setups:
+                mine = [r[key] for r in rows if r["setup"] == setup and r["server"] == server]
+                values.append(scale * sum(mine) / len(mine) if mine else 0.0)
+            ax.bar([i + offset for i in range(len(setups))], values, width, color=COLORS[server], label=server)
+        ax.set_xticks(range(len(setups)), setups, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
