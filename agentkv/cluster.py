@@ -108,7 +108,7 @@ class Cluster:
         config = self.config
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.event_ports[index]}"}
         module = "vllm.entrypoints.openai.api_server" if config.vanilla else "agentkv.serve"
-        env = {"HF_HUB_OFFLINE": "1"}
+        env = {"HF_HUB_OFFLINE": "1", **_cpu_binding(index, config.replicas)}
         if not config.vanilla:
             peers = [url for i, url in enumerate(self.replica_urls) if i != index]
             env |= {
@@ -175,6 +175,19 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _cpu_binding(index: int, replicas: int) -> dict[str, str]:
+    """vLLM on CPU binds every server's OpenMP threads to the same cores ("auto"), so co-located
+    replicas would share them and leave the rest idle: give replica ``index`` its own slice of
+    the cores. Ignored by GPU builds; an explicit VLLM_CPU_OMP_THREADS_BIND wins."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    share = max(1, len(cores) // replicas)
+    start = (index * share) % len(cores)
+    mine = cores[start : start + share]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))}
 
 
 def _state_file(name: str) -> Path:
