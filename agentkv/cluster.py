@@ -51,6 +51,7 @@ class ClusterConfig:
     vanilla: bool = False
     vllm_args: list[str] = field(default_factory=list)
     router_port: int | None = None
+    router_args: list[str] = field(default_factory=list)  # extra arguments of the router ``start`` runs
     sync_interval: float = 5.0
     name: str = "default"
     log_dir: Path | None = None
@@ -145,13 +146,14 @@ class Cluster:
                           log_path=self.log_dir / f"router-{policy}-{port}.log")
 
     def start(self, timeout: float = 600.0) -> Cluster:
+        config = self.config
         try:
-            replicas = [self._replica(i) for i in range(self.config.replicas)]
+            replicas = [self._replica(i) for i in range(config.replicas)]
             for replica in replicas:  # launch together, wait together: start-up overlaps
                 self.processes.append(replica.launch())
             for replica in replicas:
                 replica.wait_healthy(timeout)
-            self.processes.append(self._router(self.config.policy, self.router_port).start(timeout))
+            self.processes.append(self._router(config.policy, self.router_port, config.router_args).start(timeout))
         except BaseException:
             self.stop()
             raise

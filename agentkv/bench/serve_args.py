@@ -6,9 +6,20 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "ServeConfig", "add_arguments", "config_from_args"]
+__all__ = ["REPO_ROOT", "ROUTER_VARIANTS", "ServeConfig", "add_arguments", "config_from_args", "router_command"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# names for routers run with extra arguments: name -> (vllm-router policy, arguments)
+ROUTER_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # kv_aware plus stickiness on the request's X-Session-ID (idle TTL 600 s)
+    "kv_aware+affinity": ("kv_aware", ("--kv-aware-session-affinity-ttl-secs", "600")),
+}
+
+
+def router_command(name: str) -> tuple[str, tuple[str, ...]]:
+    """(vllm-router policy, extra router arguments) of a router name: a policy or a variant."""
+    return ROUTER_VARIANTS.get(name, (name, ()))
 
 
 @dataclass
@@ -39,8 +50,9 @@ class ServeConfig:
 
         if self.replicas < 1:
             raise ValueError("--replicas must be >= 1")
-        if unknown := set(self.routers) - set(POLICIES):
-            raise ValueError(f"unknown router policy {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+        if unknown := set(self.routers) - set(POLICIES) - set(ROUTER_VARIANTS):
+            choices = ", ".join([*POLICIES, *ROUTER_VARIANTS])
+            raise ValueError(f"unknown router policy {sorted(unknown)}; choose from {choices}")
         if unknown := set(self.routing_keys) - {"session", "agent"}:
             raise ValueError(f"unknown routing key {sorted(unknown)}; choose from session, agent")
         if self.replicas > 1 and (self.blocks - 1) // self.replicas * self.block_size < self.max_model_len:
@@ -71,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=d.replicas,
                         help="> 1: also run vanilla and agentkv replicas (sharing --blocks) behind vllm-router")
     parser.add_argument("--router", default=",".join(d.routers),
-                        help="router policies to compare, comma-separated (with --replicas; default %(default)s)")
+                        help="routers to compare, comma-separated: vllm-router policies or kv_aware+affinity "
+                             "(kv_aware sticky on X-Session-ID) (with --replicas; default %(default)s)")
     parser.add_argument("--routing-key", default=",".join(d.routing_keys),
                         help="what X-Session-ID carries: session and/or agent, comma-separated (default %(default)s;"
                              " round_robin ignores it and runs once)")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.bench.serve import COLORS, SERVERS, Target, running, server_specs, single_targets
-from agentkv.bench.serve_args import ServeConfig
+from agentkv.bench.serve_args import ServeConfig, router_command
 
 __all__ = ["plot_setups", "replica_args", "start_targets", "targets_for"]
 
@@ -67,14 +67,17 @@ def start_targets(config: ServeConfig, *, log: Any = print) -> Iterator[list[Tar
     config.out.mkdir(parents=True, exist_ok=True)
     singles = {name: VLLMServer(spec, log_path=config.out / f"{name}-server.log")
                for name, spec in server_specs(config, model_dir).items()}
+    first, first_args = router_command(config.routers[0])
     clusters = {
-        kind: Cluster(ClusterConfig(str(model_dir), replicas=config.replicas, policy=config.routers[0],
+        kind: Cluster(ClusterConfig(str(model_dir), replicas=config.replicas, policy=first,
                                     vanilla=kind == "vanilla", vllm_args=replica_args(config),
-                                    name=f"bench-{kind}", log_dir=config.out / f"{kind}-replicas"))
+                                    router_args=list(first_args), name=f"bench-{kind}",
+                                    log_dir=config.out / f"{kind}-replicas"))
         for kind in SERVERS[:2]
     }
     with running([*singles.values(), *clusters.values()]):
-        routers = {kind: {config.routers[0]: cluster.url} | {p: cluster.add_router(p) for p in config.routers[1:]}
+        routers = {kind: {config.routers[0]: cluster.url}
+                   | {name: cluster.add_router(*router_command(name)) for name in config.routers[1:]}
                    for kind, cluster in clusters.items()}
         log(f"up: single servers ({config.blocks - 1} blocks) " + ", ".join(s.base_url for s in singles.values())
             + f"; {config.replicas} replicas per kind ({config.replica_blocks - 1} blocks each); routers "

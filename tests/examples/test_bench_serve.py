@@ -144,6 +144,11 @@ def test_replica_options_reach_the_config_and_bad_ones_are_refused(monkeypatch, 
     assert config.replica_blocks == 91  # 2 x 90 usable blocks = the single server's 180
     with pytest.raises(ValueError, match="unknown router policy"):
         ServeConfig(routers=["least_loaded"])
+    from agentkv.bench.serve_args import router_command
+
+    assert ServeConfig(routers=["kv_aware+affinity"]).routers == ["kv_aware+affinity"]
+    assert router_command("kv_aware+affinity") == ("kv_aware", ("--kv-aware-session-affinity-ttl-secs", "600"))
+    assert router_command("round_robin") == ("round_robin", ())
     with pytest.raises(ValueError, match="unknown routing key"):
         ServeConfig(routing_keys=["user"])
     with pytest.raises(ValueError, match="less than --max-model-len"):
