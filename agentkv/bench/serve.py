@@ -16,6 +16,10 @@ over the run). On the server: hit rate = cached / prompt tokens from the deltas 
 ``usage.prompt_tokens_details.cached_tokens`` / ``prompt_tokens`` of the responses are reported
 beside it). Output: ``serve.json``, ``serve.md`` (a markdown table) and ``serve.png``.
 
+With ``--replicas N`` the same sessions also run against N vanilla and N agentkv replicas behind
+vllm-router, per router policy and routing key (:mod:`agentkv.bench.serve_replicas`); each run
+is a :class:`Target`, and ``--warmup`` adds agentkv with the client's warm-up coordinator.
+
 The model calls send ``tool_choice="none"``: the tools are still rendered into every prompt (the
 anchors are unchanged), the tiny model would never call them anyway, and vLLM needs no tool parser.
 """
