@@ -61,6 +61,7 @@ __all__ = [
     "add_arguments",
     "config_from_args",
     "load_example",
+    "load_pyplot",
     "main",
     "markdown_table",
     "plot",
@@ -68,6 +69,7 @@ __all__ = [
     "prefix_cache_counters",
     "run_benchmark",
     "run_rate",
+    "save_figure",
     "single_targets",
     "start_servers",
     "summarize",
@@ -671,12 +673,8 @@ def _load_range(load: Sequence[float] | None) -> str:
 def plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path | None:
     """TTFT (mean, p99 dashed), hit rate and throughput vs arrival rate, one line per server.
     Returns None when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = load_pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for server in SERVERS:
@@ -695,6 +693,23 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path | 
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0].set_yscale("log")
+    return save_figure(plt, fig, path, title)
+
+
+def load_pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: Path, title: str = "") -> Path:
+    """Title, lay out, write ``path`` (creating its folder) and close the figure."""
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -24,7 +24,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentkv.bench.serve import COLORS, SERVERS, Target, running, server_specs, single_targets
+from agentkv.bench.serve import (
+    COLORS,
+    SERVERS,
+    Target,
+    load_pyplot,
+    running,
+    save_figure,
+    server_specs,
+    single_targets,
+)
 from agentkv.bench.serve_args import ServeConfig, router_command
 
 __all__ = ["plot_setups", "replica_args", "start_targets", "targets_for"]
@@ -89,12 +98,8 @@ def start_targets(config: ServeConfig, *, log: Any = print) -> Iterator[list[Tar
 def plot_setups(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path | None:
     """Bars per setup (single server, then each router policy/key): hit rate, TTFT mean and p99,
     throughput; vanilla and agentkv side by side. Pools rates. None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = load_pyplot()
+    if plt is None:
         return None
     setups = list(dict.fromkeys(r["setup"] for r in rows))
     metrics = (("hit_rate", "prefix-cache hit rate (%)", 100.0), ("ttft_mean_ms", "TTFT mean (ms)", 1.0),
@@ -114,10 +119,4 @@ def plot_setups(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> 
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, title)
