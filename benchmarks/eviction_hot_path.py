@@ -4,10 +4,11 @@ Each cycle admits one tagged request with a unique prompt the way the scheduler 
 (``get_computed_blocks`` + ``record_prefix_cache_stats`` + ``allocate_slots``) into a pool
 whose free blocks are all cached, so every allocated block is an eviction, then frees it.
 The agentkv variant runs the real ``server_patch`` runtime (hooks, block tracker, scored
-queue). Its survival refresh runs once per scheduler step, not per block, so it is timed
-apart: here every request is its own step and changes the model (the worst case).
+queue). Its refresh (the next-use model evaluated and the queue's groups re-scored: exactly
+what the scheduler calls) runs once per scheduler step, not per block, so it is timed apart:
+here every request is its own step and changes the model (the worst case).
 
-    .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000]
+    .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000] [--agents 24] [--sessions 100]
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from agentkv.protocol import AgentTag
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 BS = 16
-AGENTS = [f"agent-{i}" for i in range(8)]
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
 
@@ -40,40 +40,41 @@ def manager(num_blocks: int) -> KVCacheManager:
     return KVCacheManager(config, max_model_len=1 << 16, scheduler_block_size=BS, hash_block_size=BS)
 
 
-def requests(count: int, blocks: int) -> list[Request]:
+def requests(count: int, blocks: int, agents: int, sessions: int) -> list[Request]:
+    names = [f"agent-{i}" for i in range(agents)]
     out = []
     for i in range(count):
-        agent = AGENTS[i % len(AGENTS)]
-        tag = AgentTag(agent, f"s{i % 64}", AGENTS[(i - 1) % len(AGENTS)], i)
+        agent = names[i % agents]
+        tag = AgentTag(agent, f"s{i % sessions}", names[(i - 1) % agents], i)
         tokens = list(range(i * blocks * BS, (i + 1) * blocks * BS))
         out.append(Request(f"r{i}", tokens, SamplingParams(max_tokens=1, extra_args=tag.to_xargs()), None,
                            block_hasher=HASHER, session_id=tag.session))
     return out
 
 
-def run(mode: str, num_blocks: int, blocks: int, cycles: int) -> tuple[float, float]:
-    """(µs per allocated block on the allocation path, µs per survival refresh)."""
+def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int) -> tuple[float, float]:
+    """(µs per allocated block on the allocation path, µs per refresh)."""
     kv = manager(num_blocks)
     runtime = None
     if mode != "vanilla":
         runtime = AgentKVRuntime(RuntimeConfig(enabled=mode == "agentkv"))
         runtime.install(kv)
-    reqs = requests(num_blocks // blocks + cycles, blocks)
+    reqs = requests(num_blocks // blocks + cycles, blocks, agents, sessions)
     allocation = refresh = 0.0
     for index, req in enumerate(reqs):
-        start = time.perf_counter()
+        start = time.thread_time()
         if runtime is not None:
             runtime.on_add_request(req)
-            refresh_start = time.perf_counter()
+            refresh_start = time.thread_time()
             runtime.refresh()
-            refresh_time = time.perf_counter() - refresh_start
+            refresh_time = time.thread_time() - refresh_start
         computed, hit, _ = kv.get_computed_blocks(req)
         kv.record_prefix_cache_stats(req, hit)
         assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
         req.num_computed_tokens = req.num_tokens
         kv.free(req)
         if index >= num_blocks // blocks:  # the pool is full of cached blocks: every block evicts
-            total = time.perf_counter() - start
+            total = time.thread_time() - start
             if runtime is not None:
                 total -= refresh_time
                 refresh += refresh_time
@@ -87,15 +88,18 @@ def main() -> None:
     parser.add_argument("--blocks-per-request", type=int, default=16)
     parser.add_argument("--cycles", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--agents", type=int, default=24)
+    parser.add_argument("--sessions", type=int, default=100)
     args = parser.parse_args()
     modes = ("vanilla", "agentkv", "agentkv-disabled")
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for _ in range(args.repeats):  # interleaved so machine noise hits every mode alike
         for mode in modes:
-            samples[mode].append(run(mode, args.blocks, args.blocks_per_request, args.cycles))
+            samples[mode].append(run(mode, args.blocks, args.blocks_per_request, args.cycles, args.agents,
+                                     args.sessions))
     print(f"eviction hot path: {args.blocks} cached blocks, {args.blocks_per_request} blocks/request, "
-          f"{args.cycles} requests x {args.repeats} repeats, 64 sessions, 8 agents (medians)")
-    print("| mode | µs / allocated block | ratio to vanilla | survival refresh µs / step |")
+          f"{args.cycles} requests x {args.repeats} repeats, {args.sessions} sessions, {args.agents} agents (medians)")
+    print("| mode | µs / allocated block | ratio to vanilla | refresh µs / step |")
     print("|---|---:|---:|---:|")
     vanilla = statistics.median(a for a, _ in samples["vanilla"])
     for mode in modes:

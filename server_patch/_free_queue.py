@@ -78,9 +78,10 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
     in one ``append_n`` and a parent cannot be freed before its children, so
     the parent's ``t_free`` and ``seq`` are never smaller.
 
-    Cost: append/remove O(1) + O(log heap) when a group head changes; popleft
-    O(log heap) amortised (stale heap entries are skipped lazily and the heap
-    is compacted); ``set_group_scores`` O(G) for G non-empty groups.
+    Cost: append/remove O(1) + O(log heap) when a group head changes; popleft_n
+    O(log heap) per run of blocks taken from one group (stale heap entries are
+    skipped lazily and the heap is compacted); ``set_group_scores`` O(G) for G
+    non-empty groups plus O(log heap) per group whose score changed.
     """
 
     def __init__(
@@ -143,9 +144,17 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             self._score_of = lambda key: table.get(key, default)
         else:
             self._score_of = scores
+        changed = []
         for group in self._groups.values():
-            group.score = self._checked_score(group.key)
-        self._rebuild_heap()
+            score = self._checked_score(group.key)
+            if score != group.score:
+                group.score = score
+                changed.append(group)
+        if 4 * len(changed) > len(self._groups):
+            self._rebuild_heap()
+        else:  # the old entries of changed groups go stale (their key no longer matches)
+            for group in changed:
+                self._push_head(group)
 
     def _checked_score(self, key: K) -> float:
         score = self._score_of(key)
@@ -174,14 +183,20 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             raise ValueError(f"Cannot pop {n} of {self.num_free_blocks} free blocks")
         head, grouped = self.fake_free_list_head, self._group_by_block
         ret: list[KVCacheBlock] = []
-        for _ in range(n):
+        remove = super().remove
+        while len(ret) < n:
             first = head.next_free_block
             assert first is not None
             # The front segment is a prefix of the list: once the head is
             # grouped, only tail blocks are left and the key decides.
-            block = self._pop_min_head() if first.block_id in grouped else first
-            super().remove(block)
-            ret.append(block)
+            if first.block_id in grouped:
+                start = len(ret)
+                self._pop_min_run(n - start, ret)
+                for block in ret[start:]:
+                    remove(block)
+            else:
+                remove(first)
+                ret.append(first)
         self._report_evictions(ret)
         return ret
 
@@ -247,27 +262,39 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         self._heap = [_head_entry(group) for group in self._groups.values()]
         heapq.heapify(self._heap)
 
-    def _pop_min_head(self) -> KVCacheBlock:
-        """Detach and return the tail block with the smallest eviction key."""
+    def _pop_min_run(self, limit: int, out: list[KVCacheBlock]) -> None:
+        """Detach tail blocks in eviction-key order into ``out``, at most ``limit``.
+
+        Takes a run from the group with the smallest key for as long as its next block
+        still sorts before every other heap entry (a stale entry only ends a run early),
+        so a group evicted in one go costs one heap operation, not one per block.
+        """
         heap = self._heap
         while True:
-            _, seq, group = heap[0]
+            key, seq, group = heap[0]
             if group.blocks:
-                block, head_seq, _ = next(iter(group.blocks.values()))
-                # Valid iff it still describes the head: scores only change in
-                # set_group_scores, which rebuilds the heap.
-                if head_seq == seq:
+                _, head_seq, base = next(iter(group.blocks.values()))
+                # Valid iff it still describes the head under the group's current score
+                # (set_group_scores pushes a new entry when a score changes).
+                if head_seq == seq and key == group.score + base:
                     break
             heapq.heappop(heap)
-        # Inlined _detach: the new head replaces the entry in one sift.
-        del self._group_by_block[block.block_id]
-        group.blocks.popitem(last=False)
-        if group.blocks:
+        bound = min((entry[0], entry[1]) for entry in heap[1:3]) if len(heap) > 1 else (math.inf, 0)
+        blocks, score, by_block = group.blocks, group.score, self._group_by_block
+        taken = 0
+        while blocks and taken < limit:
+            block_id, (block, block_seq, base) = next(iter(blocks.items()))
+            if taken and (score + base, block_seq) > bound:
+                break
+            blocks.popitem(last=False)
+            del by_block[block_id]
+            out.append(block)
+            taken += 1
+        if blocks:
             heapq.heapreplace(heap, _head_entry(group))
         else:
             heapq.heappop(heap)
             del self._groups[group.key]
-        return block
 
 
 def _head_entry(group: _Group[K]) -> _HeapEntry[K]:

@@ -20,21 +20,26 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
 from agentkv.graph import (
+    GapTable,
     GraphFacts,
+    Group,
+    History,
     LearnerConfig,
     PeerExport,
     Predictor,
-    SurvivalConfig,
-    SurvivalScorer,
-    SurvivalTable,
+    ReuseConfig,
+    ReuseTable,
+    SessionTiming,
     TransitionLearner,
+    first_passage_steps,
     restore_or_fresh,
     save_snapshot,
+    score_reuse,
 )
 from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_events
 
 from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
-from ._tracker import UNTAGGED, AnchorLengths, BlockTracker
+from ._tracker import AnchorLengths, BlockTracker
 
 __all__ = ["AgentKVRuntime", "RuntimeConfig"]
 
@@ -42,6 +47,10 @@ logger = logging.getLogger("agentkv.server")
 
 _RETIRED = -math.inf
 _MAX_CACHED_TAGS = 65_536
+# Scores depend on how long sessions have been idle: re-evaluate at least this often (clock s).
+_RESCORE_INTERVAL = 0.25
+# The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
+_REBUILD_INTERVAL = 2.0
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -59,29 +68,24 @@ class RuntimeConfig:
     """Server-side settings, read from AGENTKV_* environment variables (docs/server.md)."""
 
     enabled: bool = True
-    survival: SurvivalConfig = field(default_factory=SurvivalConfig)
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(half_life=5000, session_ttl=600))
     decay: float = DEFAULT_DECAY
-    untagged_survival: float = 0.5
     snapshot_path: str | None = None
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> RuntimeConfig:
         defaults = cls()
-        method = env.get("AGENTKV_SURVIVAL_METHOD", defaults.survival.method)
-        if method not in ("exact", "hops"):
-            raise ValueError(f"AGENTKV_SURVIVAL_METHOD={method!r}: choose exact or hops")
-        survival = SurvivalConfig(
-            horizon=int(_env_float(env, "AGENTKV_HORIZON", defaults.survival.horizon)),
-            r_min=_env_float(env, "AGENTKV_R_MIN", defaults.survival.r_min),
-            method=method,  # type: ignore[arg-type]
+        horizon = env.get("AGENTKV_HORIZON")
+        reuse = ReuseConfig(
+            r_min=_env_float(env, "AGENTKV_R_MIN", defaults.reuse.r_min),
+            steps=None if not horizon else int(_env_float(env, "AGENTKV_HORIZON", 0)),
         )
         return cls(
             enabled=env.get("AGENTKV_ENABLED", "1") != "0",
-            survival=survival,
+            reuse=reuse,
             decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
-            untagged_survival=_env_float(env, "AGENTKV_UNTAGGED_SURVIVAL", defaults.untagged_survival),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
             replica=env.get("AGENTKV_REPLICA") or defaults.replica,
         )
@@ -107,30 +111,25 @@ class AgentKVRuntime:
             self.learner, self.facts = TransitionLearner(self.config.learner), GraphFacts()
         self.learner.clock = clock
         self.predictor = Predictor(self.learner, self.facts)
-        self.scorer = SurvivalScorer(self.predictor, self.config.survival)
+        self.timing = SessionTiming()
         self.tracker = BlockTracker()
         self.anchors = AnchorLengths()
         self.malformed = MalformedCounter(logger)
         self.lock = threading.RLock()
         self.queues: list[ScoredFreeBlockQueue[Hashable]] = []
-        self.table: SurvivalTable | None = None
+        self.table: ReuseTable | None = None
         self.block_size = 0
         self.queries: Counter[str] = Counter()
         self.hits: Counter[str] = Counter()
         self.tagged_requests = 0
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
-        self._scored_version: tuple[int, int] | None = None
-        # Per agent: how often a request was followed, in its session, by another request of
-        # the same dispatch (same agent and step: a tool loop) or by another dispatch.
-        self.continued: Counter[str] = Counter()
-        self.handed_off: Counter[str] = Counter()
-        self._last_dispatch: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
+        self._scored_version: tuple[int, int, int] | None = None
+        self._scored_at = -math.inf
         self._scored_policy: tuple[str, int] | None = None
-        # log-space scores prepared by refresh() for _score_of (valid for one table)
-        self._lru = True
-        self._log_untagged = self._log_floor = 0.0
-        self._log_anchor: dict[str, float] = {}
-        self._log_passage: list[list[float]] = []
+        self._passage: Any = None
+        self._gaps: GapTable | None = None
+        self._built: dict[str, tuple[object, int, float]] = {}
+        self._scorer: Callable[[Group], float] = lambda group: 0.0
 
     # -- wiring into vLLM ----------------------------------------------------------
 
@@ -213,45 +212,82 @@ class AgentKVRuntime:
         self.tagged_requests += 1
         self.anchors.observe(tag.agent, tag.session, request.block_hashes)
         if tag.session is not None and not tag.warmup:
-            self._count_dispatch(tag.session, tag.agent, tag.step)
+            self.timing.observe(tag.session, tag.agent, self.clock(), tag.step)
         if tag.session is not None and self.facts.is_ended(tag.session):
             self.facts.start_session(tag.session)  # a tagged request revives an ended session id
         self.learner.observe(tag.agent, tag.session, tag.parent, step=tag.step, warmup=tag.warmup)
 
-    def _count_dispatch(self, session: str, agent: str, step: int | None) -> None:
-        last = self._last_dispatch.pop(session, None)
-        if last is not None:
-            if step is not None and last == (agent, step):
-                self.continued[agent] += 1
-            else:
-                self.handed_off[last[0]] += 1
-        self._last_dispatch[session] = (agent, step)
-        if len(self._last_dispatch) > self.config.learner.max_sessions:
-            self._last_dispatch.popitem(last=False)
-
-    def continuation(self, agent: str) -> float:
-        """P(a request of ``agent`` is followed by another request of the same dispatch)."""
-        total = self.continued[agent] + self.handed_off[agent]
-        return self.continued[agent] / total if total else 0.0
-
     def refresh(self) -> None:
-        """Recompute survival and re-score the queue's groups, only when something changed.
+        """Re-evaluate the next-use model and re-score the queue's groups when it may have moved.
 
-        Runs once per scheduler step: O(agents^2 x horizon) for the table plus O(groups)
-        dictionary lookups; in LRU mode the groups are re-scored only when facts change.
+        Runs at the start of every scheduler step; does work only when the learner, the facts or
+        the session timing changed, or ``_RESCORE_INTERVAL`` passed (values depend on how long
+        sessions have been idle). The chain's first-passage table and the gap distributions are
+        recomputed only when enough new evidence arrived (``_stale``). Sessions the timing model
+        finds abandoned are ended here, so the learner counts where they stopped.
         """
-        version = (self.learner.version, self.facts.version)
-        if not self.config.enabled or version == self._scored_version:
+        if not self.config.enabled:
             return
-        self._scored_version = version
-        self.table = self.scorer.refresh()
+        now = self.clock()
+        version = (self.learner.version, self.facts.version, self.timing.version)
+        if version == self._scored_version and now - self._scored_at < _RESCORE_INTERVAL:
+            return
+        self.table = table = self._evaluate(now)
+        for session in table.dead:
+            self.learner.end_session(session)
+            self.timing.end(session)
+        self._scored_version = (self.learner.version, self.facts.version, self.timing.version)
+        self._scored_at = now
         policy = self.policy
         if policy == "lru" and self._scored_policy == ("lru", self.facts.version):
             return  # every group still scores 0.0 (or -inf if retired): nothing to redo
         self._scored_policy = (policy, self.facts.version)
-        self._prepare_scores()
+        if policy == "lru":
+            self._scorer = lambda group: _RETIRED if type(group) is History and self.facts.is_ended(
+                group.session) else 0.0
+        else:
+            self._scorer = table.scorer(retired=self.facts.is_ended, retired_score=_RETIRED)
         for queue in self.queues:
-            queue.set_group_scores(self._score_of)
+            queue.set_group_scores(self._scorer)
+
+    def _evaluate(self, now: float) -> ReuseTable:
+        chain = self.predictor.chain()
+        config = self.config.reuse
+        dispatches = self.learner.dispatches
+        if self._passage is None or self._stale("passage", (len(chain.agents), self.facts.version), dispatches, now):
+            self._passage = first_passage_steps(chain.matrix, config.steps or config.max_steps,
+                                                tolerance=0.0 if config.steps else config.step_tolerance)
+        if self._gaps is None or self._stale("gaps", self.timing.gap_agents, self.timing.gaps, now):
+            self._gaps = self.timing.table()
+        facts = self.facts
+        sessions = [entry for entry in self.timing.sessions() if not facts.is_ended(entry[0])]
+        interposed = getattr(self.learner, "interposed_rate", None)
+        return score_reuse(
+            chain,
+            self._gaps,
+            sessions,
+            now=now,
+            session_start_rate=self.timing.session_rate(now),
+            continuation={a: self.timing.continuation(a) for a in chain.agents},
+            interposed=interposed() if interposed is not None else None,
+            predictability=self.learner.predictability(),
+            gap_count=self.timing.gaps,
+            config=config,
+            passage=self._passage,
+        )
+
+    def _stale(self, name: str, shape: object, evidence: int, now: float) -> bool:
+        """True when a cached input was built on another shape, on 5% less evidence, or 2 s ago.
+
+        The counts move little per dispatch: recomputing on every one would cost most of a
+        scheduler step at tens of agents, for no change in the eviction order.
+        """
+        built = self._built.get(name)
+        if built is not None and built[0] == shape and evidence - built[1] < max(1, built[1] // 20) \
+                and now - built[2] < _REBUILD_INTERVAL:
+            return False
+        self._built[name] = (shape, evidence, now)
+        return True
 
     @property
     def policy(self) -> str:
@@ -262,49 +298,12 @@ class AgentKVRuntime:
     def _group_of(self, block: KVCacheBlock) -> Hashable:
         return self.tracker.group_of(block.block_id, block.block_hash is not None)
 
-    def _prepare_scores(self) -> None:
-        """Log-space survival per agent and per (current agent, agent), as plain Python lookups."""
-        table, delta = self.table, self.config.survival.delta
-        self._lru = self.policy == "lru"
-        if self._lru or table is None:
-            return
-        self._log_untagged = math.log(self.config.untagged_survival + delta)
-        self._log_anchor = {a: math.log(p + delta) for a, p in zip(table.agents, table.aggregate.tolist(), strict=True)}
-        self._log_passage = [[math.log(p + delta) for p in row] for row in table.passage.tolist()]
-        self._log_floor = math.log(delta)
-
-    def _score_of(self, group: Hashable) -> float:
-        """log(p + δ) of a group; equal for all while the policy is LRU, -inf once retired."""
-        if group == UNTAGGED:
-            return 0.0 if self._lru else self._log_untagged
-        kind, *rest = group  # type: ignore[misc]
-        if kind == "history" and self.facts.is_ended(rest[0]):
-            return _RETIRED  # a fact: an ended session's history is never reused
-        if self._lru:
-            return 0.0
-        if kind == "anchor":
-            return max((self._log_anchor.get(a, self._log_floor) for a in rest[0]), default=self._log_floor)
-        current = self.learner.current_agent(rest[0])
-        index = None if current is None else self.table.index.get(current)  # type: ignore[union-attr]
-        if index is None:
-            return self._log_floor
-        row, columns = self._log_passage[index], self.table.index  # type: ignore[union-attr]
-        score = max((row[columns[a]] for a in rest[1] if a in columns), default=self._log_floor)
-        going_on = self.continuation(current) if current in rest[1] else 0.0
-        if going_on > 0.0:
-            # The session's live dispatch: the agent's tool loop re-sends this prefix with
-            # probability `going_on`, before any next dispatch. Never above the anchor (the
-            # prefix's parent), so that a chain still loses its child first.
-            delta = self.config.survival.delta
-            survival = going_on + (1.0 - going_on) * (math.exp(score) - delta)
-            anchor = max((self._log_anchor.get(a, self._log_floor) for a in rest[1]), default=self._log_floor)
-            score = min(math.log(survival + delta), anchor)
-        return score
+    def _score_of(self, group: Group) -> float:
+        """log(reuses per second) of a group; equal for all while the policy is LRU, -inf once retired."""
+        return self._scorer(group)
 
     def _on_evict(self, block: KVCacheBlock) -> None:
-        group = self.tracker.group_of(block.block_id, True)
-        retired = group != UNTAGGED and group[0] == "history" and self.facts.is_ended(group[1])  # type: ignore[index]
-        self.tracker.evicted(block.block_id, retired=retired)
+        self.tracker.evicted(block.block_id, self.facts.is_ended)
 
     # -- control channel -----------------------------------------------------------
 
@@ -376,7 +375,7 @@ class AgentKVRuntime:
                     "hits": self.hits[agent],
                     "anchor_blocks": blocks.get(agent, Counter())["anchor"],
                     "history_blocks": blocks.get(agent, Counter())["history"],
-                    "survival": table.agent(agent) if table is not None else 1.0,
+                    "survival": table.survival(agent) if table is not None else 1.0,
                     "anchor_length_blocks": self.anchors.length(agent),
                 }
                 for agent in agents
@@ -392,9 +391,9 @@ class AgentKVRuntime:
             "facts": self.facts.export(),
             "malformed_metadata": dict(self.malformed.by_field),
             "config": {
-                "horizon": self.config.survival.horizon,
-                "r_min": self.config.survival.r_min,
-                "method": self.config.survival.method,
+                "horizon_steps": table.steps if table is not None else None,
+                "horizon_s": round(table.horizon_s, 3) if table is not None else None,
+                "r_min": self.config.reuse.r_min,
                 "decay": self.config.decay,
             },
         }

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from agentkv.graph import UNTAGGED, Anchor, Group, History
 from agentkv.protocol import AgentTag
 
-__all__ = ["UNTAGGED", "AnchorLengths", "BlockTracker", "merge_group"]
+__all__ = ["AnchorLengths", "BlockTracker", "merge_group"]
 
-UNTAGGED: Hashable = ("untagged",)
 _MAX_AGENTS_PER_BLOCK = 16
 _MAX_INTERNED = 100_000
 
-Group = tuple  # ("anchor", agents) | ("history", session, agents); agents: frozenset[str]
 
-
-def merge_group(group: Group | None, tag: AgentTag, in_anchor: bool) -> Group:
+def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) -> Anchor | History:
     """The eviction group of a block after ``tag``'s request cached or hit it.
 
     A block is an *anchor* (an agent's fixed prefix, reused across sessions) when it lies
@@ -28,14 +26,14 @@ def merge_group(group: Group | None, tag: AgentTag, in_anchor: bool) -> Group:
     if group is None:
         agents = frozenset((tag.agent,))
         if in_anchor or tag.session is None:
-            return ("anchor", agents)
-        return ("history", tag.session, agents)
-    agents = group[-1]
+            return Anchor(agents)
+        return History(tag.session, agents)
+    agents = group.agents
     if tag.agent not in agents and len(agents) < _MAX_AGENTS_PER_BLOCK:
         agents = agents | {tag.agent}
-    if group[0] == "anchor" or in_anchor or tag.session is None or tag.session != group[1]:
-        return ("anchor", agents)
-    return ("history", group[1], agents)
+    if type(group) is Anchor or in_anchor or tag.session is None or tag.session != group.session:
+        return Anchor(agents)
+    return History(group.session, agents)
 
 
 class BlockTracker:
@@ -48,11 +46,11 @@ class BlockTracker:
     """
 
     def __init__(self) -> None:
-        self._group: dict[int, Group] = {}
-        self._interned: dict[tuple[Group | None, str, str | None, bool], Group] = {}
+        self._group: dict[int, Anchor | History] = {}
+        self._interned: dict[tuple[Anchor | History | None, str, str | None, bool], Anchor | History] = {}
         self.evictions: Counter[str] = Counter()
 
-    def _merge(self, group: Group | None, tag: AgentTag, in_anchor: bool) -> Group:
+    def _merge(self, group: Anchor | History | None, tag: AgentTag, in_anchor: bool) -> Anchor | History:
         key = (group, tag.agent, tag.session, in_anchor)
         merged = self._interned.get(key)
         if merged is None:
@@ -75,25 +73,36 @@ class BlockTracker:
         for position, block_id in blocks:
             self._group[block_id] = self._merge(self._group.get(block_id), tag, position < anchor_blocks)
 
-    def group_of(self, block_id: int, has_hash: bool) -> Hashable:
+    def group_of(self, block_id: int, has_hash: bool) -> Group:
         group = self._group.get(block_id) if has_hash else None
         return UNTAGGED if group is None else group
 
-    def evicted(self, block_id: int, *, retired: bool) -> None:
-        """Count an eviction by class; blocks of ended sessions count as ``retired``."""
+    def evicted(self, block_id: int, ended: Callable[[str], bool]) -> None:
+        """Count an eviction by class; history of sessions ``ended`` says are over counts as ``retired``."""
         group = self._group.pop(block_id, None)
-        self.evictions["retired" if retired else "untagged" if group is None else group[0]] += 1
+        if group is None:
+            kind = "untagged"
+        elif type(group) is History:
+            kind = "retired" if ended(group.session) else "history"
+        else:
+            kind = "anchor"
+        self.evictions[kind] += 1
 
     def blocks_by_agent(self) -> dict[str, Counter[str]]:
         """Per agent, how many tracked blocks are anchors and how many history."""
         table: dict[str, Counter[str]] = {}
         for group in self._group.values():
-            for agent in group[-1]:
-                table.setdefault(agent, Counter())[group[0]] += 1
+            kind = _kind(group)
+            for agent in group.agents:
+                table.setdefault(agent, Counter())[kind] += 1
         return table
 
     def __len__(self) -> int:
         return len(self._group)
+
+
+def _kind(group: Anchor | History) -> str:
+    return "anchor" if type(group) is Anchor else "history"
 
 
 class AnchorLengths:

@@ -1,4 +1,4 @@
-"""The learning core: transition learner, graph facts, predictor and survival scorer.
+"""The learning core: transition learner, session timing, graph facts, predictor and next-use scoring.
 
 Pure Python + numpy + networkx; shared by the client and the vLLM server extension.
 """
@@ -7,39 +7,49 @@ from ._facts import END, START, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
 from ._peers import PeerExport
 from ._predictor import ChainModel, Prediction, Predictor
-from ._snapshot import SNAPSHOT_VERSION, SnapshotError, load_snapshot, restore_or_fresh, save_snapshot
-from ._survival import (
-    SurvivalConfig,
-    SurvivalScorer,
-    SurvivalTable,
-    block_score,
+from ._reuse import (
+    UNTAGGED,
+    Anchor,
+    Group,
+    History,
+    ReuseConfig,
+    ReuseTable,
+    Untagged,
+    first_passage_steps,
     first_passage_within,
-    heap_key,
-    hop_survival,
+    score_reuse,
 )
+from ._snapshot import SNAPSHOT_VERSION, SnapshotError, load_snapshot, restore_or_fresh, save_snapshot
+from ._timing import GapTable, SessionTiming, TimingConfig
 
 __all__ = [
     "END",
     "SNAPSHOT_VERSION",
     "START",
+    "UNTAGGED",
+    "Anchor",
     "ChainModel",
+    "GapTable",
     "GraphFacts",
+    "Group",
+    "History",
     "LearnerConfig",
     "Observation",
     "PeerExport",
     "Prediction",
     "Predictor",
+    "ReuseConfig",
+    "ReuseTable",
+    "SessionTiming",
     "SnapshotError",
-    "SurvivalConfig",
-    "SurvivalScorer",
-    "SurvivalTable",
+    "TimingConfig",
     "TransitionLearner",
-    "block_score",
+    "Untagged",
+    "first_passage_steps",
     "first_passage_within",
-    "heap_key",
-    "hop_survival",
     "load_snapshot",
     "restore_or_fresh",
     "save_snapshot",
+    "score_reuse",
     "transition_entropy_ratio",
 ]

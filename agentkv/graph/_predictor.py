@@ -85,13 +85,6 @@ class Predictor:
         best = max(distribution, key=distribution.__getitem__)
         return Prediction(best, distribution[best])
 
-    def predict_session(self, session: str) -> Prediction | None:
-        """The most likely next agent of a live session (None if it ended or is unknown)."""
-        if self.facts is not None and self.facts.is_ended(session):
-            return None
-        current = self.learner.current_agent(session)
-        return None if current is None else self.predict(current)
-
 
 def _renormalise(matrix: np.ndarray) -> np.ndarray:
     """Scale rows to sum to 1; all-zero rows stay zero (the session can only end there)."""

@@ -5,7 +5,8 @@ each re-sends the previous prompt plus the tool result. The runtime scored the h
 a session's current dispatch by P(the agent is dispatched again within the horizon), which
 ignores that the dispatch itself may go on, so a tool loop's prefix was evicted before
 blocks nobody would reuse. The runtime now learns, per agent, how often a request is
-followed by another request of the same dispatch and counts that in.
+followed by another request of the same dispatch (``SessionTiming.continuation``) and counts
+that in.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from agentkv.graph import SurvivalConfig
+from agentkv.graph import ReuseConfig
 from agentkv.protocol import AgentTag
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -81,14 +82,14 @@ def tool_loop_hit(runtime: AgentKVRuntime | None) -> int:
 
 
 def test_a_tool_loop_keeps_its_prefix():
-    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(horizon=2)), clock=lambda: 0.0)
+    runtime = AgentKVRuntime(RuntimeConfig(reuse=ReuseConfig(steps=2)), clock=lambda: 0.0)
     assert tool_loop_hit(runtime) == (4 + 8) * BS  # anchor and history survive the pressure
-    assert runtime.continuation("coder") == pytest.approx(13 / 19)  # 6 x 2 repeats + the live one, 6 hand-offs
-    assert runtime.continuation("supervisor") == 0.0
+    assert runtime.timing.continuation("coder") == pytest.approx(13 / 19)  # 6 x 2 repeats + the live one, 6 hand-offs
+    assert runtime.timing.continuation("supervisor") == 0.0
 
 
 def test_before_the_fix_the_prefix_was_evicted_first(monkeypatch):
-    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(horizon=2)), clock=lambda: 0.0)
-    monkeypatch.setattr(runtime, "continuation", lambda agent: 0.0)  # the runtime as it was
+    runtime = AgentKVRuntime(RuntimeConfig(reuse=ReuseConfig(steps=2)), clock=lambda: 0.0)
+    monkeypatch.setattr(runtime.timing, "continuation", lambda agent: 0.0)  # the runtime as it was
     assert tool_loop_hit(runtime) == 4 * BS  # only the anchor: the 8 history blocks went first
     assert tool_loop_hit(None) < (4 + 8) * BS  # vanilla LRU loses it too (older than the untagged blocks)

@@ -1,10 +1,20 @@
-"""Property tests: probabilities stay probabilities, survival grows with the horizon."""
+"""Property tests: probabilities stay probabilities; next-use values keep the chain order."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.graph import GraphFacts, Predictor, SurvivalConfig, SurvivalScorer, TransitionLearner, first_passage_within
+from agentkv.graph import (
+    Anchor,
+    GraphFacts,
+    History,
+    Predictor,
+    ReuseConfig,
+    SessionTiming,
+    TransitionLearner,
+    first_passage_within,
+    score_reuse,
+)
 
 agents = st.sampled_from(["a", "b", "c", "d", "e"])
 sessions = st.sampled_from(["s1", "s2", "s3", None])
@@ -30,24 +40,34 @@ def test_first_passage_is_a_probability_and_grows_with_k(matrix, k):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(dispatch, max_size=60), st.integers(1, 6), st.sampled_from(["exact", "hops"]), st.booleans())
-def test_learned_model_stays_a_probability_model(dispatches, horizon, method, declare):
+@given(st.lists(dispatch, max_size=60), st.lists(st.floats(0, 50), min_size=1, max_size=60), st.booleans(),
+       st.floats(0, 100))
+def test_learned_model_stays_a_probability_model_and_history_never_outranks_its_anchor(dispatches, gaps, declare,
+                                                                                          later):
     learner = TransitionLearner()
+    timing = SessionTiming()
     facts = GraphFacts()
     if declare:
         facts.declare_graph(["a", "b", "c"], edges=[("a", "b"), ("b", "c")], conditional_edges=[("c", "a")])
-    for agent, session, parent, warmup in dispatches:
+    now = 0.0
+    for n, (agent, session, parent, warmup) in enumerate(dispatches):
+        now += gaps[n % len(gaps)]
         learner.observe(agent, session=session, parent=parent, warmup=warmup)
+        if session is not None and not warmup:
+            timing.observe(session, agent, now)
     predictor = Predictor(learner, facts)
     chain = predictor.chain()
     assert ((chain.matrix >= 0) & (chain.matrix <= 1 + 1e-12)).all()
     assert (chain.matrix.sum(axis=1) <= 1 + 1e-9).all()
     assert 0.0 <= learner.predictability() <= 1.0
-    previous = None
-    for k in (horizon, horizon + 1):
-        table = SurvivalScorer(predictor, SurvivalConfig(horizon=k, method=method, r_min=0)).refresh()
-        values = np.array([table.agent(a) for a in learner.agents])
-        assert ((values >= 0) & (values <= 1)).all()
-        if previous is not None and method == "exact":
-            assert (values >= previous - 1e-12).all()
-        previous = values
+    table = score_reuse(chain, timing.table(), timing.sessions(), now=now + later, session_start_rate=0.1,
+                        continuation={"a": 0.5}, interposed=None, predictability=1.0, gap_count=timing.gaps,
+                        config=ReuseConfig())
+    assert np.isfinite(table.anchor_rate).all() and (table.anchor_rate >= 0).all()
+    assert np.isfinite(table.session_rate).all() and (table.session_rate >= 0).all()
+    assert (table.session_rate <= table.anchor_rate[None, :] + 1e-9).all()
+    for session in table.sessions:
+        for agents in ({"a"}, {"a", "b"}, {"c"}):
+            group = frozenset(agents)
+            assert table.score(History(session, group)) <= table.score(Anchor(group)) + 1e-9
+    assert all(0.0 <= table.survival(agent) <= 1.0 for agent in chain.agents)

@@ -16,7 +16,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from agentkv.graph import SurvivalConfig
+from agentkv.graph import History, ReuseConfig
 from agentkv.protocol import STATS_SCHEMA, AgentTag
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -93,7 +93,7 @@ NUM_BLOCKS = 4 * ANCHOR_BLOCKS + HISTORY_BLOCKS + 1 + 8
 def test_survival_keeps_every_anchor_where_lru_cycles_them_out():
     vanilla = replay(manager(NUM_BLOCKS), None, 6)
     kv = manager(NUM_BLOCKS)
-    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(horizon=4)))
+    runtime = AgentKVRuntime(RuntimeConfig())
     runtime.install(kv)
     scored = replay(kv, runtime, 6)
     anchor_tokens = ANCHOR_BLOCKS * BS
@@ -123,7 +123,7 @@ def test_lru_equivalence_when_disabled_or_without_metadata(mode):
 
 def test_unpredictable_workload_falls_back_to_lru():
     kv, vanilla_kv = manager(NUM_BLOCKS), manager(NUM_BLOCKS)
-    runtime = AgentKVRuntime(RuntimeConfig(survival=SurvivalConfig(r_min=0.5)))
+    runtime = AgentKVRuntime(RuntimeConfig(reuse=ReuseConfig(r_min=0.5)))
     runtime.install(kv)
     rng = random.Random(0)
     for _ in range(400):  # a history of random routing: R is near 0 from the start
@@ -155,7 +155,7 @@ def test_ended_session_history_is_evicted_before_live_history():
     victims = [b.block_id for b in kv.block_pool.get_new_blocks(hashless + 2)][hashless:]
     # LRU would take "oldest"; the ended session's history goes first, child before parent
     assert victims == cached["newest"][::-1]
-    assert math.isinf(runtime._score_of(("history", "newest", frozenset({"a"}))))
+    assert math.isinf(runtime._score_of(History("newest", frozenset({"a"}))))
     assert runtime.stats()["evictions"]["retired"] == 2
 
 

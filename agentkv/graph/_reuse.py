@@ -1,0 +1,297 @@
+"""Next use of every cached group, anchors and session history alike, in one unit.
+
+The value of keeping a block is the rate of its next use: P(used at the k-th next dispatch) /
+(time until that dispatch), summed over the dispatches ahead and, for an agent's anchor, over
+every live session and the sessions yet to start (rates of independent streams add). All values
+are reuses per second, so an anchor, a session's history and an untagged prefix compare directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ._predictor import ChainModel
+from ._timing import GapTable
+
+__all__ = [
+    "UNTAGGED",
+    "Anchor",
+    "Group",
+    "History",
+    "ReuseConfig",
+    "ReuseTable",
+    "Untagged",
+    "first_passage_steps",
+    "first_passage_within",
+    "score_reuse",
+]
+
+
+class Anchor(NamedTuple):
+    """Blocks reused across sessions: the fixed prefix of ``agents`` (a shared prefix names several)."""
+
+    agents: frozenset[str]
+
+
+class History(NamedTuple):
+    """Blocks of one session's conversation, behind the anchors of ``agents``."""
+
+    session: str
+    agents: frozenset[str]
+
+
+class Untagged(NamedTuple):
+    """Blocks of requests nobody described."""
+
+
+UNTAGGED = Untagged()
+Group = Anchor | History | Untagged
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseConfig:
+    """``r_min``: below this learned predictability every group scores alike (exact LRU).
+
+    ``max_steps`` caps the dispatches looked ahead (the sum stops earlier once the chance of a
+    first use at a further step is below ``step_tolerance``); ``steps`` fixes the count instead.
+    ``end_floor`` is the least chance that a session ends after any dispatch, ``min_time`` the
+    least time (s) until a next use, ``dead_tail`` the share of an agent's learned gaps beyond
+    which an idle session counts as abandoned (after ``min_gaps`` gaps were seen). An untagged
+    block is valued at ``untagged_weight`` times a typical live session's next use.
+    """
+
+    r_min: float = 0.2
+    max_steps: int = 24
+    steps: int | None = None
+    step_tolerance: float = 0.002
+    end_floor: float = 0.02
+    min_time: float = 0.05
+    dead_tail: float = 0.002
+    min_gaps: int = 32
+    untagged_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or (self.steps is not None and self.steps < 1):
+            raise ValueError("max_steps and steps must be >= 1")
+        if not (0 <= self.r_min <= 1 and 0 <= self.end_floor < 1 and 0 < self.dead_tail < 1):
+            raise ValueError("r_min must be in [0, 1], end_floor in [0, 1), dead_tail in (0, 1)")
+        if not self.min_time > 0 or self.step_tolerance < 0 or self.min_gaps < 1 or not self.untagged_weight > 0:
+            raise ValueError("min_time and untagged_weight must be > 0, step_tolerance >= 0, min_gaps >= 1")
+
+
+_FLOOR = 1e-9  # reuses per second of a group nothing will reuse (keeps logs finite)
+_LOG_FLOOR = math.log(_FLOOR)
+_STEPS = 20  # score resolution: 1/20 of a log unit (5%)
+
+
+def _quantized(logs: np.ndarray) -> np.ndarray:
+    return np.floor(logs * _STEPS) / _STEPS
+
+
+def first_passage_within(matrix: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+    """H[i, a] = P(the chain started at i visits a at some step 1..horizon); returns (H_K, H_{K-1})."""
+    steps = first_passage_steps(matrix, horizon, tolerance=0.0)
+    within = np.cumsum(steps, axis=0) if len(steps) else np.zeros((1, *matrix.shape))
+    previous = within[-2] if len(within) > 1 else np.zeros(matrix.shape)
+    return np.clip(within[-1], 0.0, 1.0), np.clip(previous, 0.0, 1.0)
+
+
+def first_passage_steps(matrix: np.ndarray, max_steps: int, *, tolerance: float) -> np.ndarray:
+    """F[k-1, i, a] = P(the chain started at i first visits a at step k), k = 1..K.
+
+    K = max_steps, or the first step at which no first visit is more likely than ``tolerance``.
+    Recursion on all targets at once: F_1 = P, F_k[i, a] = sum_{j != a} P[i, j] F_{k-1}[j, a].
+    """
+    n = matrix.shape[0]
+    if n == 0:
+        return np.zeros((0, 0, 0))
+    out = [matrix]
+    current = matrix
+    while len(out) < max_steps:
+        current = matrix @ current - matrix * np.diag(current)[None, :]
+        out.append(current)
+        if float(current.max()) < tolerance:
+            break
+    return np.clip(np.asarray(out), 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class ReuseTable:
+    """One evaluation of the model: read-only, shared with the eviction path.
+
+    ``anchor_rate[a]``: expected rate (1/s) of the next use of agents[a]'s anchor by any live or
+    new session; ``session_rate[s, a]``: rate of the next use of agent a's prefix in live session
+    sessions[s] (its history behind a's anchor). Invariant: session_rate[s, a] <= anchor_rate[a],
+    so a history block never outranks the anchor blocks it extends. When not ``predictable``
+    every tagged group scores 0.0 (pure recency).
+    """
+
+    agents: tuple[str, ...]
+    index: dict[str, int]
+    anchor_rate: np.ndarray
+    sessions: dict[str, int]
+    session_rate: np.ndarray
+    dead: tuple[str, ...]
+    steps: int
+    horizon_s: float
+    predictability: float
+    predictable: bool
+    untagged_weight: float = 0.5
+
+    def score(self, group: Group) -> float:
+        """log(reuses per second) of a group: smaller is evicted first."""
+        return self.scorer()(group)
+
+    def scorer(self, retired: Callable[[str], bool] | None = None,
+               retired_score: float = -math.inf) -> Callable[[Group], float]:
+        """A fast ``score`` for the eviction path; sessions that ``retired(session)`` says are
+        over score ``retired_score`` (a fact outranks the model, also while it is not predictable).
+
+        Lookups are prepared here once per table (plain lists and dicts), so that re-scoring
+        every group of the free queue costs a few dictionary reads per group. Scores are
+        quantized to 1/``_STEPS`` of a log unit: drifts of a few percent leave a group's score,
+        and so the queue's heap, alone; ties go to recency.
+        """
+        if not self.predictable:
+            if retired is None:
+                return lambda group: 0.0
+            return lambda group: retired_score if type(group) is History and retired(group.session) else 0.0
+        index, sessions = self.index, self.sessions
+        anchor_rates: list[float] = self.anchor_rate.tolist()
+        anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
+        session_logs: list[list[float]] = _quantized(np.log(self.session_rate + _FLOOR)).tolist()
+        untagged = self._untagged_score()
+        columns: dict[frozenset[str], tuple[int, ...]] = {}
+
+        def columns_of(agents: frozenset[str]) -> tuple[int, ...]:
+            found = columns.get(agents)
+            if found is None:
+                found = columns[agents] = tuple(i for a in agents if (i := index.get(a)) is not None)
+            return found
+
+        def score(group: Group) -> float:
+            kind = type(group)
+            if kind is History:
+                session = group.session  # type: ignore[union-attr]
+                if retired is not None and retired(session):
+                    return retired_score
+                row = sessions.get(session)
+                if row is None:
+                    return _LOG_FLOOR
+                found = columns_of(group.agents)  # type: ignore[union-attr]
+                logs = session_logs[row]
+                if len(found) == 1:
+                    return logs[found[0]]
+                return max((logs[i] for i in found), default=_LOG_FLOOR)
+            if kind is Anchor:
+                found = columns_of(group.agents)  # type: ignore[union-attr]
+                if len(found) == 1:
+                    return anchor_logs[found[0]]
+                return math.floor(math.log(sum(anchor_rates[i] for i in found) + _FLOOR) * _STEPS) / _STEPS
+            return untagged
+
+        return score
+
+    def _untagged_score(self) -> float:
+        # Nothing is known of an untagged block: value it at a share of a typical live
+        # conversation's next use (or of a typical anchor's while no session is live).
+        if self.session_rate.size:
+            typical = self.session_rate.max(axis=1)
+        else:
+            typical = self.anchor_rate[self.anchor_rate > 0]
+        value = float(np.median(typical)) if len(typical) else 0.0
+        return math.floor(math.log(self.untagged_weight * value + _FLOOR) * _STEPS) / _STEPS if value > 0 else 0.0
+
+    def survival(self, agent: str) -> float:
+        """P(agent's anchor is used within ``horizon_s``), read off its rate."""
+        i = self.index.get(agent)
+        if not self.predictable:
+            return 1.0
+        return 0.0 if i is None else float(-math.expm1(-float(self.anchor_rate[i]) * self.horizon_s))
+
+
+def score_reuse(
+    chain: ChainModel,
+    gaps: GapTable,
+    sessions: Sequence[tuple[str, str, float]],
+    *,
+    now: float,
+    session_start_rate: float,
+    continuation: Mapping[str, float],
+    interposed: np.ndarray | None,
+    predictability: float,
+    gap_count: int,
+    config: ReuseConfig,
+    passage: np.ndarray | None = None,
+) -> ReuseTable:
+    """Evaluate the next-use model (pure: no state, no clock of its own).
+
+    ``sessions``: (session, current agent, last arrival) of the live sessions;
+    ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of a is
+    followed by another request of the same dispatch); ``interposed[a]``: calls of a made
+    between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
+    ``first_passage_steps`` of this chain.
+    """
+    n = len(chain.agents)
+    index = chain.index
+    matrix = chain.matrix
+    if passage is None:
+        passage = first_passage_steps(matrix, config.steps or config.max_steps,
+                                      tolerance=0.0 if config.steps else config.step_tolerance)
+    steps = len(passage)
+    mean_gap = max(gaps.mean_gap, config.min_time)
+    ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
+
+    known = [(s, index[a], now - seen, a) for s, a, seen in sessions if a in index]
+    rows = np.array([k[1] for k in known], dtype=np.intp)
+    idle = np.array([max(k[2], 0.0) for k in known])
+    gap_rows = np.array([gaps.row(k[3]) for k in known], dtype=np.intp)
+    if len(known):
+        still, remaining = gaps.at(gap_rows, idle)
+        row_sums = matrix[rows].sum(axis=1)
+        stays = np.clip(row_sums, 0.0, 1.0 - config.end_floor)
+        alive = stays * still / (stays * still + (1.0 - stays))  # P(another request comes | idle so long)
+        soon = np.maximum(remaining, config.min_time)
+        weights = 1.0 / (soon[None, :] + ahead[:, None])  # (steps, sessions)
+        # the chain's rows lose the chance of ending; ``alive`` accounts for it, given the idle time
+        weights /= np.maximum(row_sums, 1e-12)[None, :]
+        session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((len(known), 0))
+        going_on = np.array([continuation.get(k[3], 0.0) for k in known])
+        session_rate[np.arange(len(known)), rows] += going_on / soon
+        if interposed is not None and len(interposed) == n:
+            session_rate += (1.0 / soon)[:, None] * interposed[None, :]
+        session_rate *= alive[:, None]
+        dead = tuple(k[0] for k, s in zip(known, still, strict=True) if s < config.dead_tail) \
+            if gap_count >= config.min_gaps else ()
+    else:
+        session_rate = np.zeros((0, n))
+        dead = ()
+
+    anchor_rate = session_rate.sum(axis=0) if len(known) else np.zeros(n)
+    if session_start_rate > 0 and n:
+        # first visits from a new session's entry: e_1 = entry, e_k = entry @ F_{k-1} minus revisits
+        entry = chain.entry
+        first = np.vstack([entry[None, :], entry @ passage[:-1] - entry[None, :] * np.diagonal(passage[:-1], axis1=1,
+                                                                                             axis2=2)])
+        anchor_rate = anchor_rate + (np.clip(first, 0.0, 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(
+            axis=0)
+        if interposed is not None and len(interposed) == n:
+            anchor_rate = anchor_rate + session_start_rate * interposed
+    return ReuseTable(
+        agents=chain.agents,
+        index=index,
+        anchor_rate=anchor_rate,
+        sessions={k[0]: i for i, k in enumerate(known)},
+        session_rate=session_rate,
+        dead=dead,
+        steps=steps,
+        horizon_s=steps * mean_gap,
+        predictability=predictability,
+        predictable=predictability >= config.r_min,
+        untagged_weight=config.untagged_weight,
+    )

@@ -1,0 +1,204 @@
+"""The next-use model against hand-computed values, and the timing it learns from."""
+
+import math
+
+import numpy as np
+import pytest
+
+from agentkv.graph import (
+    UNTAGGED,
+    Anchor,
+    GraphFacts,
+    History,
+    Predictor,
+    ReuseConfig,
+    SessionTiming,
+    TimingConfig,
+    TransitionLearner,
+    first_passage_steps,
+    first_passage_within,
+    score_reuse,
+)
+
+A, B, C = 0, 1, 2
+a, b = 0.3, 0.6
+# A -> B with a, A stays with 1-a; B -> C with b, B -> A with 1-b; C -> A always.
+CHAIN = np.array([[1 - a, a, 0.0], [1 - b, 0.0, b], [1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_first_passage_matches_closed_form_on_three_agent_chain(k):
+    within, _ = first_passage_within(CHAIN, k)
+    assert within[A, B] == pytest.approx(1 - (1 - a) ** k)  # leaving A is the only way to B
+    c_from_a = {1: 0.0, 2: a * b, 3: a * b * (2 - a), 4: a * b * (1 + (1 - a) + (1 - a) ** 2 + a * (1 - b))}
+    assert within[A, C] == pytest.approx(c_from_a[k])
+    a_from_a = {1: 1 - a, 2: 1 - a + a * (1 - b), 3: 1.0, 4: 1.0}
+    assert within[A, A] == pytest.approx(a_from_a[k])
+
+
+def test_first_passage_steps_stop_once_no_first_visit_is_likely():
+    ring = np.roll(np.eye(4), 1, axis=1)  # a deterministic 4-cycle: every agent first seen by step 4
+    steps = first_passage_steps(ring, 24, tolerance=0.002)
+    assert len(steps) == 5  # step 5 visits nothing for the first time
+    assert steps[3].diagonal() == pytest.approx(np.ones(4))
+    assert len(first_passage_steps(ring, 24, tolerance=0.0)) == 24
+
+
+def _learned(edges: dict[tuple[str, str], int]) -> TransitionLearner:
+    learner = TransitionLearner()
+    for (src, dst), count in edges.items():
+        for _ in range(count):
+            learner.observe(dst, parent=src)
+    return learner
+
+
+def _timing(gap: float, agents: str, samples: int = 200) -> SessionTiming:
+    """Every agent's requests are followed by the session's next request after ``gap`` seconds."""
+    timing = SessionTiming()
+    for n in range(samples):
+        agent = agents[n % len(agents)]
+        timing.observe("warm", agent, n * gap)
+    timing.end("warm")
+    return timing
+
+
+def _table(learner, timing, sessions, now, **config):
+    chain = Predictor(learner).chain()
+    return score_reuse(chain, timing.table(), sessions, now=now, session_start_rate=0.0, continuation={},
+                       interposed=None, predictability=learner.predictability(), gap_count=timing.gaps,
+                       config=ReuseConfig(**{"r_min": 0.0, **config}))
+
+
+def test_a_deterministic_ring_values_the_next_agent_at_one_over_the_time_to_it():
+    learner = _learned({("x", "y"): 200, ("y", "z"): 200, ("z", "x"): 200})
+    timing = _timing(2.0, "xyz")
+    table = _table(learner, timing, [("s", "x", 100.0)], now=100.0)
+    rates = {agent: table.session_rate[0, table.index[agent]] for agent in "xyz"}
+    # y is next, in about one gap; z one gap later; x itself a gap after that
+    assert rates["y"] > rates["z"] > rates["x"] > 0
+    assert rates["y"] == pytest.approx(1 / 2.0, rel=0.3)
+    assert rates["z"] == pytest.approx(1 / 4.0, rel=0.3)
+    assert table.score(History("s", frozenset({"y"}))) == pytest.approx(math.log(rates["y"]), abs=1e-6)
+
+
+def test_history_never_outranks_its_anchor_and_anchors_add_up_over_sessions():
+    learner = _learned({("x", "y"): 100, ("y", "x"): 100})
+    timing = _timing(1.0, "xy")
+    sessions = [("s1", "x", 10.0), ("s2", "x", 10.0), ("s3", "y", 10.0)]
+    table = _table(learner, timing, sessions, now=10.5)
+    assert (table.session_rate <= table.anchor_rate[None, :] + 1e-12).all()
+    y = table.index["y"]
+    assert table.anchor_rate[y] == pytest.approx(table.session_rate[:, y].sum())
+    for session, _, _ in sessions:
+        for agent in "xy":
+            assert table.score(History(session, frozenset(agent))) <= table.score(Anchor(frozenset(agent)))
+    # a prefix shared by both agents is used by either of them
+    both = table.score(Anchor(frozenset("xy")))
+    assert both == pytest.approx(math.log(table.anchor_rate.sum() + 1e-9))
+
+
+def test_a_session_in_a_short_tool_call_outranks_the_anchor_of_a_rare_agent():
+    # u runs once in a while (new sessions start at u, one every 600 s); s1 is in a 2 s tool call
+    learner = _learned({("x", "x"): 300, ("u", "x"): 3})
+    timing = _timing(2.0, "x")
+    chain = Predictor(learner).chain()
+    table = score_reuse(chain, timing.table(), [("s1", "x", 99.0)], now=100.0, session_start_rate=1 / 600,
+                        continuation={}, interposed=None, predictability=1.0, gap_count=timing.gaps,
+                        config=ReuseConfig())
+    assert table.score(History("s1", frozenset("x"))) > table.score(Anchor(frozenset("u")))
+
+
+def test_an_abandoned_session_goes_first_without_any_end_event():
+    learner = _learned({("x", "y"): 100, ("y", "x"): 100})
+    timing = _timing(1.0, "xy")
+    table = _table(learner, timing, [("live", "x", 99.5), ("gone", "x", 0.0)], now=100.0)
+    assert table.dead == ("gone",)  # idle 100 s where every gap was 1 s
+    gone, live = (table.score(History(s, frozenset("y"))) for s in ("gone", "live"))
+    assert gone < live - 10
+
+
+def test_an_unknown_session_and_unknown_agents_score_at_the_floor():
+    learner = _learned({("x", "y"): 10})
+    table = _table(learner, _timing(1.0, "xy"), [], now=1.0)
+    assert table.score(History("nobody", frozenset("x"))) == pytest.approx(math.log(1e-9))
+    assert table.score(Anchor(frozenset({"stranger"}))) == pytest.approx(math.log(1e-9))
+
+
+def test_unpredictable_workloads_score_every_group_alike():
+    learner = _learned({(x, y): 10 for x in "abc" for y in "abc"})
+    table = _table(learner, _timing(1.0, "abc"), [("s", "a", 0.0)], now=1.0, r_min=0.2)
+    assert not table.predictable
+    assert {table.score(g) for g in (UNTAGGED, Anchor(frozenset("a")), History("s", frozenset("b")))} == {0.0}
+
+
+def test_interposed_agents_are_valued_before_every_dispatch():
+    learner = _learned({("x", "y"): 100, ("y", "x"): 100})
+    timing = _timing(1.0, "xy")
+    chain = Predictor(learner).chain()
+    interposed = np.zeros(len(chain.agents) + 1)[:-1]
+    plain = score_reuse(chain, timing.table(), [("s", "x", 0.0)], now=0.5, session_start_rate=0.0,
+                        continuation={}, interposed=None, predictability=1.0, gap_count=timing.gaps,
+                        config=ReuseConfig())
+    learner.observe("sel", parent="x")  # a third agent the chain knows, never dispatched to
+    chain = Predictor(learner).chain()
+    interposed = np.array([1.0 if agent == "sel" else 0.0 for agent in chain.agents])
+    table = score_reuse(chain, timing.table(), [("s", "x", 0.0)], now=0.5, session_start_rate=0.0,
+                        continuation={}, interposed=interposed, predictability=1.0, gap_count=timing.gaps,
+                        config=ReuseConfig())
+    sel = table.index["sel"]
+    assert table.anchor_rate[sel] > plain.anchor_rate.max()  # called before every next dispatch
+
+
+def test_declared_facts_rule_out_a_next_agent():
+    facts = GraphFacts()
+    learner = _learned({("a", "c"): 20, ("a", "b"): 1})
+    facts.declare_graph(["a", "b", "c"], edges=[("a", "b"), ("b", "c")])
+    chain = Predictor(learner, facts).chain()
+    timing = _timing(1.0, "ab")
+    table = score_reuse(chain, timing.table(), [("s", "a", 0.0)], now=0.1, session_start_rate=0.0,
+                        continuation={}, interposed=None, predictability=1.0, gap_count=timing.gaps,
+                        config=ReuseConfig(steps=1))
+    assert table.session_rate[0, table.index["c"]] == 0.0
+    assert table.session_rate[0, table.index["b"]] > 0.0
+
+
+# -- SessionTiming ---------------------------------------------------------------------------
+
+
+def test_gap_distribution_survival_and_residual_time():
+    timing = SessionTiming()
+    now = 0.0
+    for n in range(400):  # gaps alternate 1 s and 10 s
+        now += 1.0 if n % 2 else 10.0
+        timing.observe("s", "x", now)
+    table = timing.table()
+    row = np.array([table.row("x")])
+    survival, residual = table.at(row, np.array([0.0]))
+    assert survival[0] == pytest.approx(1.0)
+    assert residual[0] == pytest.approx(5.5, rel=0.15)
+    survival, residual = table.at(row, np.array([3.0]))  # only the 10 s gaps are left
+    assert survival[0] == pytest.approx(0.5, abs=0.03)
+    assert residual[0] == pytest.approx(7.0, rel=0.15)
+    assert table.at(row, np.array([1000.0]))[0][0] < 0.01
+
+
+def test_session_start_rate_and_continuation():
+    timing = SessionTiming()
+    for n in range(20):
+        timing.observe(f"s{n}", "x", 5.0 * n, step=0)
+        timing.observe(f"s{n}", "x", 5.0 * n + 1, step=0)  # the same dispatch: a tool loop
+        timing.observe(f"s{n}", "y", 5.0 * n + 2, step=1)
+    assert timing.session_rate(95.0) == pytest.approx(0.2)
+    assert timing.session_rate(195.0) == pytest.approx(0.01)  # no session for 100 s: the rate decays
+    assert timing.continuation("x") == pytest.approx(0.5)
+    assert timing.continuation("y") == 0.0
+
+
+def test_timing_state_is_bounded():
+    timing = SessionTiming(TimingConfig(max_sessions=10, max_agents=4))
+    for n in range(1000):
+        timing.observe(f"s{n % 3}", f"agent{n % 9}", float(n))
+    assert len(timing.table().agents) == 4
+    for n in range(1000):
+        timing.observe(f"new{n}", "agent0", 1000.0 + n)
+    assert len(timing.sessions()) == 10
