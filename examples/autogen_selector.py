@@ -8,7 +8,11 @@ picks the next speaker: it asks the model, and when the answer does not name exa
 participant (the tiny random model used for local runs never does) it falls back to a seeded
 choice from a small hand-off table, so runs are reproducible. ``agentkv.frameworks.autogen.
 instrument(team)`` tags every model call with its agent, session and lineage; the selector's own
-call is tagged as agent ``selector`` (it is not a speaker turn).
+call is tagged as agent ``selector`` with the last speaker as parent (it is not a speaker turn: the
+server learns it as interposed between turns, and the speaker chain speaker -> next speaker).
+
+Against an agentkv server it ends with the server's view: policy, predictability R, top-1
+accuracy, the learned transitions (P >= 0.05) and the prefix-cache hit rate per agent.
 
 Without ``--base-url`` the script builds the tiny model, starts ``agentkv serve`` on 127.0.0.1
 and stops it at the end.
@@ -185,10 +189,25 @@ async def run(args: argparse.Namespace, base_url: str) -> None:
     if root:
         await asyncio.sleep(0.5)  # session events are posted in the background
         stats = httpx.get(root + "/agentkv/v1/stats", timeout=10, trust_env=False).json()
-        print("\n| agent | prompt tokens | cached | hit rate |\n|---|---:|---:|---:|")
-        for name in [*AGENTS, "selector"]:
-            a = stats["agents"].get(name, {"queries": 0, "hits": 0})
-            print(f"| {name} | {a['queries']} | {a['hits']} | {a['hits'] / max(1, a['queries']):.0%} |")
+        print_stats(stats)
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    """The server's view of the run (``GET /agentkv/v1/stats``)."""
+    accuracy = stats["top1_accuracy"]
+    print(f"\npolicy {stats['policy']}, predictability R = {stats['predictability']:.3f}, top-1 accuracy = "
+          f"{'n/a' if accuracy is None else f'{accuracy:.1%}'}, {stats['dispatches']} dispatches learned")
+    print("\n| from \\ to | " + " | ".join(AGENTS) + " | selector |\n|---|" + "---:|" * (len(AGENTS) + 1))
+    for name in [*AGENTS, "selector"]:
+        row = stats["transitions"].get(name, {})
+        print(f"| {name} | " + " | ".join(f"{row[t]:.2f}" if t in row else "" for t in [*AGENTS, "selector"]) + " |")
+    print("\n| agent | prompt tokens | cached | hit rate |\n|---|---:|---:|---:|")
+    total = {"queries": 0, "hits": 0}
+    for name in [*AGENTS, "selector"]:
+        a = stats["agents"].get(name, {"queries": 0, "hits": 0})
+        total = {k: total[k] + a[k] for k in total}
+        print(f"| {name} | {a['queries']} | {a['hits']} | {a['hits'] / max(1, a['queries']):.0%} |")
+    print(f"| all | {total['queries']} | {total['hits']} | {total['hits'] / max(1, total['queries']):.1%} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,12 @@ speaker); the team's ``run_stream`` (which ``run`` calls) is wrapped to open and
 (usable as a participant, serializable with ``dump_component``).
 
 The selector's own model calls are tagged ``agent="selector"`` (``selector_name=``) with the last
-speaker as parent; they are not dispatches, so the lineage and :func:`~agentkv.on_dispatch` see
-speaker transitions only. With two participants and ``allow_repeated_speaker=False`` AutoGen skips
-the selector model after the first turn (one candidate left).
+speaker as parent (``""`` before the first speaker) and the last speaker's step (0 before the first);
+they are not dispatches, so the lineage and :func:`~agentkv.on_dispatch` see speaker transitions
+only, and every speaker names the previous speaker. The server thus sees ``P -> selector`` and then
+``P -> next speaker``, and learns the selector as interposed (called between turns, off the speaker
+chain). With two participants and ``allow_repeated_speaker=False`` AutoGen skips the selector model
+after the first turn (one candidate left).
 """
 
 from __future__ import annotations
@@ -266,12 +269,17 @@ class TeamInstrumentation:
         return AgentTag(agent, session=self.session)
 
     def selector_tag(self) -> AgentTag:
+        """The selector's tag: parent and step of the last speaker, whose turn it closes.
+
+        Not the next speaker's step: calls sharing a step are siblings to the server, while the
+        selector sits between two steps. Its retries for one pick share the tag (one call).
+        """
         session = self.session
         if session is None:
             return AgentTag(self.selector)
         parent = tracker().parent_for(session)
         step = self.speakers[-1][2] if self.speakers else None
-        return AgentTag(self.selector, session=session, parent=parent, step=(step or 0) + 1)
+        return AgentTag(self.selector, session=session, parent=parent, step=step or 0)
 
 
 def instrumentation(team: Any) -> TeamInstrumentation | None:

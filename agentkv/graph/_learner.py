@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
 
+from ._entropy import predictability_of_counts, transition_entropy_ratio
+from ._lineage import LearnedTransition, Observation, SessionLineage
 from ._peers import PeerCounts, PeerExport
 
 __all__ = ["LearnerConfig", "Observation", "TransitionLearner", "transition_entropy_ratio"]
@@ -44,22 +47,14 @@ class LearnerConfig:
             raise ValueError("session_ttl must be > 0")
 
 
-@dataclass(frozen=True, slots=True)
-class Observation:
-    """One learned dispatch: ``previous`` is None for the first agent of a session."""
-
-    agent: str
-    session: str | None
-    previous: str | None
-    predicted: str | None
-
-
 class TransitionLearner:
     """Counts agent -> next-agent transitions online, per session lineage.
 
     Invariants: ``_counts[i, j] / _weight`` is the (decayed) number of observed i -> j
-    transitions, ``_entry[j] / _weight`` the number of sessions that started at j and
-    ``_ends[i] / _weight`` the number that ended (or went idle) after i;
+    transitions, ``_entry[j] / _weight`` the number of sessions that started at j,
+    ``_ends[i] / _weight`` the number that ended (or went idle) after i and
+    ``_interposed[i] / _weight`` the number of i's calls found interposed (see :meth:`observe`);
+    ``_best[i]`` is an argmax of row i (-1: empty row);
     every agent index in ``_sessions`` names a live agent; ``_sessions`` is ordered by
     last activity, least recent first.
     """
@@ -74,14 +69,15 @@ class TransitionLearner:
         self._counts = np.zeros((capacity, capacity))
         self._entry = np.zeros(capacity)
         self._ends = np.zeros(capacity)
+        self._interposed = np.zeros(capacity)
         self._agent_seen = np.zeros(capacity, dtype=np.int64)  # dispatch number of last sighting
         self._best: list[int] = []  # per row, the column of its largest count (-1: empty row)
         self._weight = 1.0
-        self._sessions: OrderedDict[str, tuple[int, float, int | None]] = OrderedDict()  # index, seen, step
+        self._sessions: OrderedDict[str, SessionLineage] = OrderedDict()
         self._dispatches = 0
         self._predictions = 0
         self._correct = 0
-        self._recent: deque[bool] = deque(maxlen=self.config.accuracy_window)
+        self._recent: deque[tuple[int, bool]] = deque(maxlen=self.config.accuracy_window)  # (dispatch, hit)
         self.peers = PeerCounts()
         self.version = 0  # bumped on every change that alters the transition model
 
@@ -103,19 +99,26 @@ class TransitionLearner:
         dispatch of a session, ``None`` defers to the session's last observed agent.
         A request repeating the session's last (agent, step) is the same dispatch (an
         agent's tool loop sends several) and, like a warm-up, teaches nothing: None.
+
+        Interposed calls: when ``parent`` names an agent P other than the session's current
+        agent X, and X's own call was learned as P -> X, then X was called between P and this
+        dispatch without taking P's place in the lineage (an AutoGen selector picking the next
+        speaker). X's P -> X is taken back exactly (the weight it added, ``_best``, its accuracy
+        prediction), X counts one interposed call (weighted like this dispatch's transition) and
+        P -> ``agent`` is learned. Calls sharing one step are siblings (parallel branches of one
+        superstep), never interposed. Every learned call ages the counts, interposed ones too.
         """
         if warmup:
             return None
         now = self.clock() if now is None else now
         self._expire_sessions(now)
-        if step is not None and session is not None and session in self._sessions:
-            last_index, _, last_step = self._sessions[session]
-            if last_step == step and self._names[last_index] == agent:
-                self._sessions[session] = (last_index, now, step)
-                self._sessions.move_to_end(session)
-                return None
-        if parent is None and session is not None and session in self._sessions:
-            previous: str | None = self._names[self._sessions[session][0]]
+        state = self._sessions.get(session) if session is not None else None
+        if step is not None and state is not None and state.step == step and self._names[state.index] == agent:
+            state.seen = now
+            self._sessions.move_to_end(session)  # type: ignore[arg-type]
+            return None
+        if parent is None and state is not None:
+            previous: str | None = self._names[state.index]
         else:
             previous = parent or None
         previous_index = None if previous is None else self._intern(previous)
@@ -124,39 +127,69 @@ class TransitionLearner:
         index = self._intern(agent)
         if previous_index is not None and self._names[previous_index] != previous:
             previous_index = None  # interning the agent recycled the parent's slot: no lineage left
+        if session is not None:
+            state = self._sessions.get(session)  # interning may have dropped it
 
         self._dispatches += 1
         self._agent_seen[index] = self._dispatches
+        interposed = None
+        if parent and previous_index is not None and state is not None:
+            interposed = self._take_back_if_interposed(state, previous_index, step)
         predicted = None
-        if previous_index is not None:
+        learned = None
+        self._age()
+        if interposed is not None:
+            self._interposed[interposed] += self._weight  # weighs like the transition it sat in
+        if previous_index is None:
+            self._entry[index] += self._weight
+        else:
             best = self._best[previous_index]
             predicted = None if best < 0 else self._names[best]
             hit = predicted == agent
             self._predictions += 1
             self._correct += hit
-            self._recent.append(hit)
-        self._age()
-        if previous_index is None:
-            self._entry[index] += self._weight
-        else:
+            self._recent.append((self._dispatches, hit))
+            learned = LearnedTransition(previous_index, self._weight, best, self._dispatches, hit)
             row = self._counts[previous_index]
             row[index] += self._weight
-            best = self._best[previous_index]
             if best < 0 or row[index] > row[best]:
                 self._best[previous_index] = index
         if session is not None:
-            self._sessions[session] = (index, now, step)
+            self._sessions[session] = SessionLineage(index, now, step, learned)
             self._sessions.move_to_end(session)
             if len(self._sessions) > self.config.max_sessions:
                 self._sessions.popitem(last=False)
         self.version += 1
         return Observation(agent, session, None if previous_index is None else previous, predicted)
 
+    def _take_back_if_interposed(self, state: SessionLineage, parent: int, step: int | None) -> int | None:
+        """Undo the current agent X's P -> X if this dispatch (parent P) shows X was interposed; X or None."""
+        learned = state.learned
+        if learned is None or learned.previous != parent or state.index == parent:
+            return None
+        if step is not None and state.step == step:
+            return None  # siblings of one superstep: parallel branches, each a real transition
+        interposed = state.index
+        row = self._counts[parent]
+        row[interposed] = max(0.0, row[interposed] - learned.weight)
+        if self._best[parent] == interposed:
+            best = learned.best_before
+            if best < 0 or row[best] < row[: len(self._names)].max():
+                self._recompute_best(parent)
+            else:
+                self._best[parent] = best
+        self._predictions -= 1  # top-1 accuracy is about the chain of dispatches
+        self._correct -= learned.hit
+        with suppress(ValueError):  # unless it already left the window
+            self._recent.remove((learned.prediction, learned.hit))
+        state.learned = None
+        return interposed
+
     def end_session(self, session: str) -> None:
         """The session ended (or was cancelled): learn that its last agent ended it."""
-        entry = self._sessions.pop(session, None)
-        if entry is not None:
-            self._ends[entry[0]] += self._weight
+        state = self._sessions.pop(session, None)
+        if state is not None:
+            self._ends[state.index] += self._weight
             self.version += 1
 
     def _age(self) -> None:
@@ -167,13 +200,17 @@ class TransitionLearner:
             self._counts /= self._weight
             self._entry /= self._weight
             self._ends /= self._weight
+            self._interposed /= self._weight
+            for state in self._sessions.values():
+                if state.learned is not None:
+                    state.learned.weight /= self._weight
             self._weight = 1.0
 
     def _expire_sessions(self, now: float) -> None:
         deadline = now - self.config.session_ttl
         while self._sessions:
-            session, (_, seen, _) = next(iter(self._sessions.items()))
-            if seen >= deadline:
+            session, state = next(iter(self._sessions.items()))
+            if state.seen >= deadline:
                 break
             self.end_session(session)  # idle past the TTL: the session is over
 
@@ -201,6 +238,7 @@ class TransitionLearner:
         self._counts = counts
         self._entry = np.concatenate([self._entry, np.zeros(new - old)])
         self._ends = np.concatenate([self._ends, np.zeros(new - old)])
+        self._interposed = np.concatenate([self._interposed, np.zeros(new - old)])
         self._agent_seen = np.concatenate([self._agent_seen, np.zeros(new - old, dtype=np.int64)])
 
     def _evict_agent(self) -> int:
@@ -211,11 +249,15 @@ class TransitionLearner:
         self._counts[:, index] = 0.0
         self._entry[index] = 0.0
         self._ends[index] = 0.0
+        self._interposed[index] = 0.0
         for row, best in enumerate(self._best):
             if best == index or row == index:
                 self._recompute_best(row)
-        for session in [s for s, (i, _, _) in self._sessions.items() if i == index]:
+        for session in [s for s, state in self._sessions.items() if state.index == index]:
             del self._sessions[session]
+        for state in self._sessions.values():
+            if state.learned is not None and state.learned.previous == index:
+                state.learned = None  # its count was cleared with the row
         return index
 
     def _recompute_best(self, row: int) -> None:
@@ -230,9 +272,14 @@ class TransitionLearner:
         """Known agents, in index order (the order of matrix rows and columns)."""
         return list(self._names)
 
-    def _own(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        n = len(self._names)
-        return self._counts[:n, :n] / self._weight, self._entry[:n] / self._weight, self._ends[:n] / self._weight
+    def _own(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        n, weight = len(self._names), self._weight
+        return (
+            self._counts[:n, :n] / weight,
+            self._entry[:n] / weight,
+            self._ends[:n] / weight,
+            self._interposed[:n] / weight,
+        )
 
     def _merged(self, part: int) -> np.ndarray:
         own = self._own()[part]
@@ -250,12 +297,27 @@ class TransitionLearner:
         """Decayed counts of sessions that ended right after each of ``agents``, peers' included."""
         return self._merged(2)
 
+    def interposed_counts(self) -> np.ndarray:
+        """Decayed counts of each of ``agents``' calls found interposed, peers' included."""
+        return self._merged(3)
+
+    def interposed_rate(self) -> np.ndarray:
+        """Per agent (``agents`` order), the expected number of its interposed calls per transition.
+
+        An interposed call is made between two dispatches without being one (see
+        :meth:`observe`): an AutoGen selector called before every speaker turn has a rate of 1.
+        Zeros before any transition.
+        """
+        interposed = self.interposed_counts()
+        transitions = self.counts().sum()
+        return interposed / transitions if transitions > 0 else np.zeros_like(interposed)
+
     # -- replicas ------------------------------------------------------------------
 
     def export_counts(self, replica: str, epoch: str) -> PeerExport:
         """This learner's own counts (never what it merged from peers), for other replicas."""
-        counts, entry, ends = self._own()
-        return PeerExport(replica, epoch, self.version, tuple(self._names), counts, entry, ends)
+        counts, entry, ends, interposed = self._own()
+        return PeerExport(replica, epoch, self.version, tuple(self._names), counts, entry, ends, interposed)
 
     def merge_peer(self, export: PeerExport) -> bool:
         """Take another replica's latest counts into the model; False if stale or a replay."""
@@ -291,26 +353,15 @@ class TransitionLearner:
 
     def predictability(self) -> float:
         """R = 1 - H(A_{t+1} | A_t) / H(A_{t+1}) from the observed (unsmoothed) counts."""
-        counts = self.counts()
-        total = counts.sum()
-        if total <= 0:
-            return 0.0
-        h_next = _entropy(counts.sum(axis=0) / total)
-        if h_next <= 1e-12:
-            return 1.0
-        # H(next | current) = -sum_ij C_ij/N log2(C_ij / C_i.)
-        rows = counts.sum(axis=1, keepdims=True)
-        ratio = np.divide(counts, rows, out=np.ones_like(counts), where=counts > 0)
-        h_cond = float(-(counts * np.log2(ratio)).sum() / total)
-        return float(min(1.0, max(0.0, 1.0 - h_cond / h_next)))
+        return predictability_of_counts(self.counts())
 
     def session_agents(self) -> dict[str, str]:
         """The current (last observed) agent of every live session."""
-        return {session: self._names[i] for session, (i, _, _) in self._sessions.items()}
+        return {session: self._names[state.index] for session, state in self._sessions.items()}
 
     def current_agent(self, session: str) -> str | None:
-        entry = self._sessions.get(session)
-        return None if entry is None else self._names[entry[0]]
+        state = self._sessions.get(session)
+        return None if state is None else self._names[state.index]
 
     @property
     def dispatches(self) -> int:
@@ -324,12 +375,12 @@ class TransitionLearner:
     @property
     def recent_accuracy(self) -> float | None:
         """Online top-1 accuracy over the last ``accuracy_window`` predictions."""
-        return sum(self._recent) / len(self._recent) if self._recent else None
+        return sum(hit for _, hit in self._recent) / len(self._recent) if self._recent else None
 
     def state_bytes(self) -> int:
         """Bytes of learned state: the count arrays plus the agent and session tables."""
         live = len(self.agents)
-        arrays = (live * live + 2 * live) * 8
+        arrays = (live * live + 3 * live) * 8
         names = sum(len(name) for name in self.agents) + 8 * live
         sessions = sum(len(s) + 16 for s in self._sessions)
         return arrays + names + sessions
@@ -343,25 +394,30 @@ class TransitionLearner:
             "counts": own[0].tolist(),
             "entry": own[1].tolist(),
             "ends": own[2].tolist(),
+            "interposed": own[3].tolist(),
             "dispatches": self._dispatches,
             "predictions": self._predictions,
             "correct": self._correct,
         }
 
     def import_state(self, state: dict[str, object]) -> None:
-        """Replace the learned counts (sessions are transient and start empty)."""
+        """Replace the learned counts (sessions are transient and start empty).
+
+        ``interposed`` may be absent (state written before it was learned): zeros.
+        """
         agents = state["agents"]
-        counts = np.asarray(state["counts"], dtype=float)
-        entry = np.asarray(state["entry"], dtype=float)
-        ends = np.asarray(state["ends"], dtype=float)
         if not isinstance(agents, list) or len(set(agents)) != len(agents):
             raise ValueError("agents must be a list of distinct names")
         n = len(agents)
+        counts = np.asarray(state["counts"], dtype=float)
+        entry = np.asarray(state["entry"], dtype=float)
+        ends = np.asarray(state["ends"], dtype=float)
+        interposed = np.asarray(state.get("interposed", [0.0] * n), dtype=float)
         if n > self.config.max_agents:
             raise ValueError(f"{n} agents exceed max_agents={self.config.max_agents}")
-        if counts.shape != (n, n) or entry.shape != (n,) or ends.shape != (n,):
-            raise ValueError("counts must be n x n, entry and ends of length n")
-        arrays = (counts, entry, ends)
+        if counts.shape != (n, n) or any(a.shape != (n,) for a in (entry, ends, interposed)):
+            raise ValueError("counts must be n x n, entry, ends and interposed of length n")
+        arrays = (counts, entry, ends, interposed)
         if not all(np.isfinite(a).all() and (a >= 0).all() for a in arrays):
             raise ValueError("counts must be finite and non-negative")
         fresh = TransitionLearner(self.config, clock=self.clock)
@@ -370,6 +426,7 @@ class TransitionLearner:
         fresh._counts[:n, :n] = counts
         fresh._entry[:n] = entry
         fresh._ends[:n] = ends
+        fresh._interposed[:n] = interposed
         for row in range(n):
             fresh._recompute_best(row)
         fresh._dispatches = int(state.get("dispatches", 0))  # type: ignore[call-overload]
@@ -378,16 +435,3 @@ class TransitionLearner:
         version = self.version + 1
         self.__dict__.update(fresh.__dict__)
         self.version = version
-
-
-def _entropy(p: np.ndarray) -> float:
-    p = p[p > 0]
-    return float(-(p * np.log2(p)).sum()) if p.size else 0.0
-
-
-def transition_entropy_ratio(matrix: np.ndarray, stationary: np.ndarray) -> float:
-    """R of a known chain: 1 - H(next | current) / H(next) under distribution ``stationary``."""
-    h_cond = float(sum(stationary[i] * _entropy(matrix[i]) for i in range(len(stationary))))
-    h_next = _entropy(stationary @ matrix)
-    return 1.0 if h_next <= 1e-12 else 1.0 - h_cond / h_next
-

@@ -21,7 +21,11 @@ COUNTS_VERSION = 1
 
 @dataclass(frozen=True)
 class PeerExport:
-    """One replica's own counts at one moment; (epoch, sequence) orders its exports."""
+    """One replica's own counts at one moment; (epoch, sequence) orders its exports.
+
+    ``interposed`` counts each agent's interposed calls (see ``TransitionLearner.observe``);
+    a document without it (an older replica) reads as zeros.
+    """
 
     replica: str
     epoch: str
@@ -30,6 +34,7 @@ class PeerExport:
     counts: np.ndarray
     entry: np.ndarray
     ends: np.ndarray
+    interposed: np.ndarray
 
     @classmethod
     def from_json(cls, document: Mapping[str, object]) -> PeerExport:
@@ -42,14 +47,15 @@ class PeerExport:
             counts = np.asarray(document["counts"], dtype=float).reshape(n, n)
             entry = np.asarray(document["entry"], dtype=float).reshape(n)
             ends = np.asarray(document["ends"], dtype=float).reshape(n)
+            interposed = np.asarray(document.get("interposed", [0.0] * n), dtype=float).reshape(n)
             replica, epoch, sequence = str(document["replica"]), str(document["epoch"]), int(document["sequence"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed counts document: {exc!r}") from exc
         if len(set(agents)) != n or not all(isinstance(a, str) for a in agents):
             raise ValueError("agents must be distinct strings")
-        if not all(np.isfinite(a).all() and (a >= 0).all() for a in (counts, entry, ends)):
+        if not all(np.isfinite(a).all() and (a >= 0).all() for a in (counts, entry, ends, interposed)):
             raise ValueError("counts must be finite and non-negative")
-        return cls(replica, epoch, sequence, agents, counts, entry, ends)
+        return cls(replica, epoch, sequence, agents, counts, entry, ends, interposed)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -62,6 +68,7 @@ class PeerExport:
             "counts": self.counts.tolist(),
             "entry": self.entry.tolist(),
             "ends": self.ends.tolist(),
+            "interposed": self.interposed.tolist(),
         }
 
 
@@ -76,7 +83,7 @@ class PeerCounts:
         self._latest: dict[str, PeerExport] = {}
         self.version = 0
         self._cache_key: tuple[int, tuple[str, ...]] | None = None
-        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def merge(self, export: PeerExport) -> bool:
         """Keep ``export`` if it is newer than what this peer sent before; False if not."""
@@ -94,12 +101,12 @@ class PeerCounts:
     def replicas(self) -> dict[str, int]:
         return {replica: export.sequence for replica, export in self._latest.items()}
 
-    def aligned(self, agents: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(counts, entry, ends) of all peers, rows and columns in ``agents`` order."""
+    def aligned(self, agents: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(counts, entry, ends, interposed) of all peers, rows and columns in ``agents`` order."""
         key = (self.version, tuple(agents))
         if self._cache_key != key or self._cache is None:
             n = len(agents)
-            counts, entry, ends = np.zeros((n, n)), np.zeros(n), np.zeros(n)
+            counts, entry, ends, interposed = np.zeros((n, n)), np.zeros(n), np.zeros(n), np.zeros(n)
             index = {a: i for i, a in enumerate(agents)}
             for export in self._latest.values():
                 mine = [index.get(a, -1) for a in export.agents]
@@ -108,5 +115,6 @@ class PeerCounts:
                 counts[np.ix_(target, target)] += export.counts[np.ix_(keep, keep)]
                 entry[target] += export.entry[keep]
                 ends[target] += export.ends[keep]
-            self._cache_key, self._cache = key, (counts, entry, ends)
+                interposed[target] += export.interposed[keep]
+            self._cache_key, self._cache = key, (counts, entry, ends, interposed)
         return self._cache

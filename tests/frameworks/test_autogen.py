@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("autogen_agentchat")
@@ -18,6 +19,7 @@ from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 from agentkv.frameworks import Dispatch, current_tag, on_dispatch, on_dispatch_end
 from agentkv.frameworks.autogen import TaggedModelClient, instrument, instrumentation, team_facts
+from agentkv.graph import TransitionLearner
 from agentkv.protocol import validate_events
 
 from ._fakes import BASE_URL, EventsServer, FakeOpenAI, closed_port_url, tool_call
@@ -82,14 +84,14 @@ def test_selector_group_chat_tags_speakers_and_selector(server, dispatches):
     speakers = [m.source for m in result.messages if type(m).__name__ == "TextMessage"]
     assert speakers == ["user", "coder", "critic", "planner", "coder"]
     assert server.tags() == [
-        ("selector", "run-1", "", 1),
+        ("selector", "run-1", "", 0),
         ("coder", "run-1", "", 1),
         ("coder", "run-1", "", 1),  # after the tool result (reflect_on_tool_use): same dispatch
-        ("selector", "run-1", "coder", 2),
+        ("selector", "run-1", "coder", 1),
         ("critic", "run-1", "coder", 2),  # streamed
-        ("selector", "run-1", "critic", 3),
+        ("selector", "run-1", "critic", 2),
         ("planner", "run-1", "critic", 3),
-        ("selector", "run-1", "planner", 4),
+        ("selector", "run-1", "planner", 3),
         ("coder", "run-1", "planner", 4),
     ]
     assert server.requests[2].body["messages"][-1]["role"] == "tool"
@@ -110,6 +112,37 @@ def test_selector_group_chat_tags_speakers_and_selector(server, dispatches):
     assert current_tag() is None
 
 
+def test_selector_calls_are_learned_as_interposed_between_speaker_turns(server):
+    server.script("selector", "planner", "coder", "critic", "coder", "critic", "planner")
+    team = instrument(make_team(server, messages=7), session="chain")
+    asyncio.run(team.run(task="build it"))
+    assert server.tags() == [
+        ("selector", "chain", "", 0),
+        ("planner", "chain", "", 1),
+        ("selector", "chain", "planner", 1),  # the last speaker's parent and step
+        ("coder", "chain", "planner", 2),  # the previous speaker, not the selector
+        ("selector", "chain", "coder", 2),
+        ("critic", "chain", "coder", 3),
+        ("selector", "chain", "critic", 3),
+        ("coder", "chain", "critic", 4),
+        ("selector", "chain", "coder", 4),
+        ("critic", "chain", "coder", 5),
+        ("selector", "chain", "critic", 5),
+        ("planner", "chain", "critic", 6),
+    ]
+    learner = TransitionLearner()  # what the server learns from these tags
+    for agent, session, parent, step in server.tags():
+        learner.observe(agent, session, parent, step=step)
+    agents, counts = learner.agents, learner.counts()
+    chain = {(agents[i], agents[j]): counts[i, j] for i, j in zip(*np.nonzero(counts), strict=True)}
+    assert chain == {("planner", "coder"): 1, ("coder", "critic"): 2, ("critic", "coder"): 1, ("critic", "planner"): 1}
+    assert dict(zip(agents, learner.interposed_rate().tolist(), strict=True)) == {
+        "selector": 1.0, "planner": 0.0, "coder": 0.0, "critic": 0.0
+    }
+    assert learner.entry_counts().tolist() == [1.0, 1.0, 0.0, 0.0]  # the first pick comes before any speaker
+    assert learner.current_agent("chain") == "planner"
+
+
 def test_two_agents_selector_called_once_and_streaming_selector(server):
     agents = [
         AssistantAgent(n, model_client=client(server), description=n, model_client_stream=True) for n in ("a", "b")
@@ -125,7 +158,7 @@ def test_two_agents_selector_called_once_and_streaming_selector(server):
     asyncio.run(team.run(task="go"))
     # with two agents and no repeats, AutoGen picks the only candidate without the model
     assert server.tags() == [
-        ("selector", "fixed", "", 1),
+        ("selector", "fixed", "", 0),
         ("b", "fixed", "", 1),
         ("a", "fixed", "b", 2),
         ("b", "fixed", "a", 3),
@@ -151,15 +184,15 @@ def test_run_stream_new_session_per_run_and_lineage_reset(server):
     assert len(set(sessions)) == 2 and None not in sessions
     s1, s2 = sessions[0], sessions[-1]
     assert [t for t in server.tags() if t[1] == s1] == [
-        ("selector", s1, "", 1),
+        ("selector", s1, "", 0),
         ("planner", s1, "", 1),
-        ("selector", s1, "planner", 2),
+        ("selector", s1, "planner", 1),
         ("critic", s1, "planner", 2),
     ]
     assert [t for t in server.tags() if t[1] == s2] == [
-        ("selector", s2, "", 1),
+        ("selector", s2, "", 0),
         ("critic", s2, "", 1),
-        ("selector", s2, "critic", 2),
+        ("selector", s2, "critic", 1),
         ("planner", s2, "critic", 2),
     ]
 
@@ -231,6 +264,6 @@ def test_events_and_a_down_server(server):
     server.script("selector", "critic")
     result = asyncio.run(down.run(task="go"))
     assert result.messages[-1].source == "critic"
-    assert server.tags() == [("selector", "ev-2", "", 1), ("critic", "ev-2", "", 1)]
+    assert server.tags() == [("selector", "ev-2", "", 0), ("critic", "ev-2", "", 1)]
     assert instrumentation(down).sink.flush(5)
     assert instrumentation(down).sink.failed > 0

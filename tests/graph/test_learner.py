@@ -1,10 +1,12 @@
 """TransitionLearner: counts, lineage, predictability, accuracy, forgetting, bounds."""
 
+import json
+
 import numpy as np
 import pytest
 
 from agentkv.bench.topologies import AGENTS, sample_dispatches, stationary, topology
-from agentkv.graph import LearnerConfig, Predictor, TransitionLearner
+from agentkv.graph import LearnerConfig, PeerExport, Predictor, TransitionLearner, load_snapshot, save_snapshot
 
 
 def _counts(learner: TransitionLearner) -> dict[tuple[str, str], float]:
@@ -163,3 +165,143 @@ def test_config_rejects_nonsense():
         LearnerConfig(half_life=-1)
     with pytest.raises(ValueError):
         LearnerConfig(max_agents=1)
+
+
+# -- interposed calls (an AutoGen selector between speaker turns) ----------------------
+
+SPEAKERS = [("planner", 1), ("coder", 2), ("reviewer", 3), ("coder", 4), ("reviewer", 5)]
+
+
+def _selector_run(learner: TransitionLearner, session: str = "s", *, selector: bool = True) -> None:
+    """Speakers each name the previous speaker; a selector call (parent: last speaker, its step) precedes each turn."""
+    previous = ""
+    for speaker, step in SPEAKERS:
+        if selector and previous:
+            learner.observe("selector", session=session, parent=previous, step=step - 1)
+        learner.observe(speaker, session=session, parent=previous, step=step)
+        previous = speaker
+
+
+def test_interposed_selector_is_taken_out_of_the_chain_exactly():
+    learner, speakers_only = TransitionLearner(), TransitionLearner()
+    _selector_run(learner)
+    _selector_run(speakers_only, selector=False)
+    assert _counts(learner) == {("planner", "coder"): 1, ("coder", "reviewer"): 2, ("reviewer", "coder"): 1}
+    assert _counts(learner) == _counts(speakers_only)
+    rate = dict(zip(learner.agents, learner.interposed_rate().tolist(), strict=True))
+    assert rate == {"planner": 0.0, "selector": 1.0, "coder": 0.0, "reviewer": 0.0}
+    assert learner.interposed_counts().tolist() == [0.0, 4.0, 0.0, 0.0]
+    # the selector call predicted (and missed) after coder is not scored: 1 hit in 4 speaker predictions
+    assert (learner._correct, learner._predictions) == (1, 4) == (speakers_only._correct, speakers_only._predictions)
+    assert learner.recent_accuracy == 0.25
+    assert learner.predictability() == speakers_only.predictability() == 1.0  # each speaker has one successor
+    assert Predictor(learner).predict("coder").agent == "reviewer"
+    assert learner.current_agent("s") == "reviewer" and learner.dispatches == 9
+    best = {a: None if b < 0 else learner.agents[b] for a, b in zip(learner.agents, learner._best, strict=True)}
+    assert best == {"planner": "coder", "selector": None, "coder": "reviewer", "reviewer": "coder"}
+
+
+def test_plain_dispatches_with_explicit_parents_learn_as_without_them():
+    explicit, derived = TransitionLearner(), TransitionLearner()
+    _selector_run(explicit, selector=False)
+    for speaker, step in SPEAKERS:
+        derived.observe(speaker, session="s", step=step)
+    assert _counts(explicit) == _counts(derived)
+    assert explicit.interposed_counts().tolist() == [0.0, 0.0, 0.0]
+    assert (explicit._correct, explicit._predictions) == (derived._correct, derived._predictions)
+
+
+def test_interposed_counts_decay_like_the_transitions_they_sat_in():
+    config = LearnerConfig(half_life=2)  # every learned call, interposed ones too, ages the counts
+    learner = TransitionLearner(config)
+    learner.observe("a", session="s", parent="", step=1)  # call 1
+    learner.observe("x", session="s", parent="a", step=1)  # call 2, interposed
+    learner.observe("b", session="s", parent="a", step=2)  # call 3
+    learner.observe("x", session="s", parent="b", step=2)  # call 4, interposed
+    learner.observe("a", session="s", parent="b", step=3)  # call 5
+    # a count learned at call k weighs 0.5 ** ((5 - k) / 2) after call 5
+    assert _counts(learner) == {("a", "b"): pytest.approx(0.5), ("b", "a"): pytest.approx(1.0)}
+    assert learner.entry_counts().tolist() == pytest.approx([0.25, 0.0, 0.0])
+    assert learner.interposed_counts().tolist() == pytest.approx([0.0, 1.5, 0.0])  # calls 3 and 5
+    assert learner.interposed_rate().tolist() == pytest.approx([0.0, 1.0, 0.0])
+    assert (learner._correct, learner._predictions) == (0, 2)
+
+
+def test_taking_back_is_exact_across_rescaling_and_other_sessions():
+    learner = TransitionLearner(LearnerConfig(half_life=0.01))  # the weight is rescaled every few calls
+    learner.observe("a", session="s", parent="")
+    learner.observe("x", session="s", parent="a")
+    for _ in range(10):  # another session's calls age (and rescale) the counts meanwhile
+        learner.observe("c", session="t", parent="")
+    learner.observe("b", session="s", parent="a")
+    assert learner.counts()[0, 1] == 0.0  # a -> x taken back exactly
+    assert _counts(learner) == {("a", "b"): pytest.approx(1.0)}
+    assert learner.interposed_counts().tolist() == pytest.approx([0.0, 1.0, 0.0, 0.0])
+
+
+def test_taking_back_restores_the_rows_best_and_the_recent_window():
+    learner = TransitionLearner(LearnerConfig(accuracy_window=3))
+    for session, second in (("s1", "x"), ("s2", "b"), ("s3", "b"), ("s4", "x"), ("s5", "x")):
+        learner.observe("a", session=session, parent="")
+        learner.observe(second, session=session, parent="a")
+    assert Predictor(learner).predict("a").agent == "x"  # 3 to 2, for a moment ...
+    assert list(learner._recent) == [(6, False), (8, False), (10, False)]
+    learner.observe("c", session="s5", parent="a")  # ... until s5's x is found interposed
+    assert _counts(learner) == {("a", "x"): 2, ("a", "b"): 2, ("a", "c"): 1}
+    assert learner._best[0] == learner.agents.index("b")  # b overtook x before s5, as if s5's x never ran
+    assert list(learner._recent) == [(6, False), (8, False), (11, False)]  # x's prediction (10) left the window
+    assert (learner._correct, learner._predictions) == (0, 5)
+
+
+def test_repeated_interposed_calls_each_count():
+    learner = TransitionLearner()
+    learner.observe("a", session="s", parent="")
+    learner.observe("x", session="s", parent="a")
+    learner.observe("x", session="s", parent="a")  # the selector asked again (no step: each request counts)
+    learner.observe("b", session="s", parent="a")
+    assert _counts(learner) == {("a", "b"): 1}
+    assert learner.interposed_counts().tolist() == [0.0, 2.0, 0.0]
+    assert learner.interposed_rate().tolist() == [0.0, 2.0, 0.0]
+
+
+def test_siblings_of_one_step_and_unrelated_parents_are_not_interposed():
+    learner = TransitionLearner()
+    learner.observe("plan", session="s", parent="", step=1)
+    learner.observe("left", session="s", parent="plan", step=2)  # parallel branches of one superstep
+    learner.observe("right", session="s", parent="plan", step=2)
+    learner.observe("worker", session="s", parent="left", step=3)  # right's call came from plan, not left
+    learner.observe("solo", session="s", parent="")
+    learner.observe("d", session="s", parent="worker")  # solo's call was an entry: nothing to take back
+    assert _counts(learner) == {("plan", "left"): 1, ("plan", "right"): 1, ("left", "worker"): 1, ("worker", "d"): 1}
+    assert learner.interposed_counts().sum() == 0.0
+
+
+def test_interposed_counts_survive_export_import_and_merge_with_peers(tmp_path):
+    learner = TransitionLearner()
+    _selector_run(learner)
+    save_snapshot(tmp_path / "state.json", learner)
+    assert load_snapshot(tmp_path / "state.json")[0].interposed_counts().tolist() == [0.0, 4.0, 0.0, 0.0]
+    state = json.loads(json.dumps(learner.export_state()))
+    assert state["interposed"] == [0.0, 4.0, 0.0, 0.0]
+    restored = TransitionLearner()
+    restored.import_state(state)
+    assert restored.interposed_counts().tolist() == [0.0, 4.0, 0.0, 0.0]
+    assert restored.interposed_rate().tolist() == learner.interposed_rate().tolist()
+    del state["interposed"]  # written before interposed calls were learned
+    older = TransitionLearner()
+    older.import_state(state)
+    assert older.interposed_counts().tolist() == [0.0, 0.0, 0.0, 0.0]
+    state["interposed"] = [0.0, -1.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        older.import_state(state)
+
+    other = TransitionLearner()
+    _selector_run(other, "t")
+    document = json.loads(json.dumps(other.export_counts("r", "e").to_json()))
+    assert learner.merge_peer(PeerExport.from_json(document))
+    assert learner.interposed_counts().tolist() == [0.0, 8.0, 0.0, 0.0]
+    assert learner.interposed_rate().tolist() == [0.0, 1.0, 0.0, 0.0]
+    del document["interposed"], document["sequence"]
+    document["sequence"] = 99  # an older replica's document, without interposed counts
+    assert learner.merge_peer(PeerExport.from_json(document))
+    assert learner.interposed_counts().tolist() == [0.0, 4.0, 0.0, 0.0]
