@@ -146,7 +146,8 @@ class Recognizer:
         self.nodes: OrderedDict[Hashable, _Node] = OrderedDict()
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.heads: dict[int, str] = {}
-        self.recent: deque[tuple[str, str | None, str | None]] = deque(maxlen=self.config.recent)
+        # (request id, agent, session, prompt tokens) of the latest requests, for inspection
+        self.recent: deque[tuple[str, str | None, str | None, int]] = deque(maxlen=self.config.recent)
         self._split: _Node = self.root
         self._seen = 0
         self._session_ids = 0
@@ -270,7 +271,7 @@ class Recognizer:
         identity = self._identity(path)
         if identity is None:
             self.unrecognized += 1
-            self.recent.append((request_id, None, session_id))
+            self.recent.append((request_id, None, session_id, len(tokens)))
             return Recognition(None, session_id, None, None)
         agent = self._label(identity)
         if session_id is not None:
@@ -290,7 +291,7 @@ class Recognizer:
             state.step += 1
         state.agent = agent
         self.recognized += 1
-        self.recent.append((request_id, agent, session))
+        self.recent.append((request_id, agent, session, len(tokens)))
         return Recognition(agent, session, parent, state.step)
 
     def _session(self, session: str) -> _Session:
