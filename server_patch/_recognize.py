@@ -38,6 +38,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = ["Recognition", "RecognizeConfig", "Recognizer", "chunk_chain"]
 
 _MIX = 0x9E3779B1  # Knuth's multiplicative hash: spreads token ids before the boundary test
@@ -78,7 +80,7 @@ class Recognition:
 
 
 class _Node:
-    __slots__ = ("branched", "children", "count", "depth", "fan", "key", "name", "parent", "split", "tokens")
+    __slots__ = ("branched", "children", "count", "depth", "fan", "key", "name", "parent", "seen", "split", "tokens")
 
     def __init__(self, key: Hashable, parent: _Node | None, depth: int, tokens: tuple[int, ...]) -> None:
         self.key = key
@@ -86,6 +88,7 @@ class _Node:
         self.depth = depth  # block index of this node (the root is -1)
         self.tokens = tokens  # the block's token ids (for the token offset of a split below it)
         self.count = 0
+        self.seen = 0  # the recognizer's request counter when a request last passed through it
         self.fan = 0  # distinct children ever created
         self.children: dict[Hashable, _Node] = {}
         self.split: int | None = None  # shortest common token prefix of its children's blocks
@@ -107,19 +110,17 @@ def chunk_chain(tokens: Sequence[int], start: int, limit: int, chunk: int) -> li
 
     A boundary precedes every token whose mixed id is 0 mod ``chunk``; the first chunk (from
     ``start`` to the first boundary) and the last (open) one are left out, so any start inside
-    the first chunk and any continuation after the end give the same chain.
+    the first chunk and any continuation after the end give the same chain. Hashes are only
+    comparable within one process (bytes hashing is salted per process).
     """
-    end = min(len(tokens), start + limit)
-    mask = chunk - 1
+    window = np.asarray(tokens[start : start + limit], dtype=np.int64)
+    cuts = np.flatnonzero((((window * _MIX) >> 7) & (chunk - 1)) == 0).tolist()
+    data = window.tobytes()
     out: list[int] = []
-    previous = -1
     chain = 0
-    for i in range(start, end):
-        if (tokens[i] * _MIX >> 7) & mask == 0:
-            if previous >= 0:
-                chain = hash((chain, tuple(tokens[previous:i])))
-                out.append(chain)
-            previous = i
+    for begin, end in zip(cuts, cuts[1:], strict=False):
+        chain = hash((chain, data[8 * begin : 8 * end]))
+        out.append(chain)
     return out
 
 
@@ -143,7 +144,7 @@ class Recognizer:
     def __init__(self, config: RecognizeConfig | None = None) -> None:
         self.config = config or RecognizeConfig()
         self.root = _Node(None, None, -1, ())
-        self.nodes: OrderedDict[Hashable, _Node] = OrderedDict()
+        self.nodes: dict[Hashable, _Node] = {}
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
         self.heads: dict[int, str] = {}
         # (request id, agent, session, prompt tokens) of the latest requests, for inspection
@@ -160,6 +161,8 @@ class Recognizer:
     def _insert(self, block_hashes: Sequence[Hashable], tokens: Sequence[int], block_size: int) -> list[_Node]:
         """Walk (and extend) the tree along the request's leading blocks; returns its path."""
         nodes, path = self.nodes, []
+        self._seen += 1
+        tick = self._seen
         parent = self.root
         parent.count += 1
         for depth, key in enumerate(block_hashes[: self.config.max_depth]):
@@ -168,14 +171,12 @@ class Recognizer:
                 block = tuple(tokens[depth * block_size : (depth + 1) * block_size])
                 node = nodes[key] = _Node(key, parent, depth, block)
                 self._adopt(parent, node)
-                if len(nodes) > self.config.max_nodes:
-                    self._evict()
-            else:
-                nodes.move_to_end(key)
             node.count += 1
+            node.seen = tick
             path.append(node)
             parent = node
-        self._seen += 1
+        if len(nodes) > self.config.max_nodes:
+            self._evict()
         if self._seen % self.config.halve_every == 0:
             self._halve()
         # early on every request may move the preamble; later it is settled and checked now and then
@@ -200,10 +201,13 @@ class Recognizer:
             parent.children[child.key] = child
 
     def _evict(self) -> None:
-        _, node = self.nodes.popitem(last=False)
-        if node.parent is not None:
-            node.parent.children.pop(node.key, None)
-        node.parent = None
+        """Drop the least recently seen eighth of the nodes (amortized O(log n) per node)."""
+        by_age = sorted(self.nodes.values(), key=lambda n: n.seen)
+        for node in by_age[: max(1, len(by_age) - self.config.max_nodes + self.config.max_nodes // 8)]:
+            del self.nodes[node.key]
+            if node.parent is not None:
+                node.parent.children.pop(node.key, None)
+            node.parent = None
 
     def _halve(self) -> None:
         self.root.count //= 2
