@@ -33,6 +33,7 @@ labelled only through a block that enough requests share (``min_count``, ``min_s
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -118,7 +119,7 @@ def chunk_chain(tokens: Sequence[int], start: int, limit: int, chunk: int) -> li
     data = window.tobytes()
     out: list[int] = []
     chain = 0
-    for begin, end in zip(cuts, cuts[1:], strict=False):
+    for begin, end in itertools.pairwise(cuts):
         chain = hash((chain, data[8 * begin : 8 * end]))
         out.append(chain)
     return out
