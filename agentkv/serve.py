@@ -13,7 +13,7 @@ import sys
 import tempfile
 import uuid
 
-__all__ = ["main", "vllm_command"]
+__all__ = ["main", "take_agentkv_flags", "vllm_command"]
 
 from server_patch import ASYNC_SCHEDULER, MIDDLEWARE, SCHEDULER
 
@@ -40,11 +40,32 @@ def vllm_command(vllm_args: list[str], *, cpu: bool | None = None) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *extension, *vllm_args]
 
 
+def take_agentkv_flags(args: list[str], env: dict[str, str] | os._Environ[str]) -> list[str]:
+    """Remove agentkv's own flags from ``args`` into ``env``; returns vLLM's arguments.
+
+    ``--agentkv-recognize on|off`` (or ``=on|off``) sets ``AGENTKV_RECOGNIZE`` (1 or 0).
+    """
+    out: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        name, eq, value = arg.partition("=")
+        if name != "--agentkv-recognize":
+            out.append(arg)
+            continue
+        value = value if eq else next(rest, "")
+        if value not in ("on", "off"):
+            raise SystemExit(f"--agentkv-recognize takes on or off, not {value!r}")
+        env["AGENTKV_RECOGNIZE"] = "1" if value == "on" else "0"
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
-        print("usage: agentkv serve MODEL [vllm args...]   (or: python -m agentkv.serve --model MODEL ...)")
+        print("usage: agentkv serve MODEL [--agentkv-recognize on|off] [vllm args...]"
+              "   (or: python -m agentkv.serve --model MODEL ...)")
         sys.exit(0 if args else 2)
+    args = take_agentkv_flags(args, os.environ)
     os.environ.setdefault("AGENTKV_CONTROL", f"ipc://{tempfile.gettempdir()}/agentkv-{uuid.uuid4().hex[:12]}.ipc")
     command = vllm_command(args)
     os.execv(command[0], command)

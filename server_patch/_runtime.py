@@ -39,6 +39,7 @@ from agentkv.graph import (
 from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_events
 
 from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
+from ._recognize import Recognizer
 from ._tracker import AnchorLengths, BlockTracker
 
 __all__ = ["AgentKVRuntime", "RuntimeConfig"]
@@ -71,6 +72,7 @@ class RuntimeConfig:
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(half_life=5000, session_ttl=600))
     decay: float = DEFAULT_DECAY
+    recognize: bool = True  # recognize agents and sessions of untagged requests
     snapshot_path: str | None = None
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
@@ -86,6 +88,7 @@ class RuntimeConfig:
             enabled=env.get("AGENTKV_ENABLED", "1") != "0",
             reuse=reuse,
             decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
+            recognize=env.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off"),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
             replica=env.get("AGENTKV_REPLICA") or defaults.replica,
         )
@@ -121,7 +124,8 @@ class AgentKVRuntime:
         self.block_size = 0
         self.queries: Counter[str] = Counter()
         self.hits: Counter[str] = Counter()
-        self.tagged_requests = 0
+        self.tagged_requests = 0  # tagged or recognized
+        self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
@@ -190,7 +194,7 @@ class AgentKVRuntime:
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         result = parse_xargs(extra)
         self.malformed.record(result.errors)
-        tag = result.tag
+        tag = self._recognized(request, result.tag)
         # X-Session-ID stands in for a missing agentkv session, except on warm-ups, which
         # carry it only as a routing key and must not join (or revive) any session
         if tag is not None and tag.session is None and request.session_id and not tag.warmup:
@@ -202,6 +206,25 @@ class AgentKVRuntime:
         if len(self._tags) > _MAX_CACHED_TAGS:
             self._tags.popitem(last=False)
         return tag
+
+    def _recognized(self, request: Request, tag: AgentTag | None) -> AgentTag | None:
+        """A tag wins; an untagged request gets the agent, session and parent recognition finds."""
+        if self.recognizer is None or not self.block_size:
+            return tag
+        tokens = request.prompt_token_ids or []
+        if tag is not None:
+            if not tag.warmup:
+                self.recognizer.observe_tagged(tag.agent, request.block_hashes, tokens, self.block_size)
+            return tag
+        found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
+                                          request.session_id)
+        if found.agent is None:
+            return None
+        try:
+            return AgentTag(found.agent, found.session, found.parent, found.step)
+        except ProtocolError as exc:  # an X-Session-ID outside the wire alphabet
+            self.malformed.record((exc,))  # type: ignore[arg-type]
+            return None
 
     # -- scheduler events ----------------------------------------------------------
 
@@ -319,6 +342,9 @@ class AgentKVRuntime:
                 return self.learner.export_counts(self.config.replica, self.epoch).to_json()
             if op == "merge":
                 return self.merge(request.get("payload"))
+            if op == "recognized":
+                recent = [] if self.recognizer is None else list(self.recognizer.recent)
+                return {"recognized": [list(r) for r in recent]}
             return {"error": f"unknown control op {op!r}"}
 
     def merge(self, payload: object) -> dict[str, Any]:
@@ -364,6 +390,7 @@ class AgentKVRuntime:
             "top1_accuracy": self.learner.accuracy,
             "dispatches": self.learner.dispatches,
             "tagged_requests": self.tagged_requests,
+            "recognition": None if self.recognizer is None else self.recognizer.stats(),
             "sessions": {
                 "active": len(self.learner.session_agents()),
                 "ended": len(self.facts.ended),

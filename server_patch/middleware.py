@@ -46,6 +46,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+RECOGNIZED_PATH = "/agentkv/v1/recognized"  # recent recognitions: [request id, agent, session]
 _TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 _MAX_EVENTS_BODY = 1 << 20
 
@@ -75,6 +76,8 @@ class AgentKVMiddleware:
             await self._stats(send)
         elif path == STATE_PATH and method == "GET":
             await self._relay(send, {"op": "state"})
+        elif path == RECOGNIZED_PATH and method == "GET":
+            await self._relay(send, {"op": "recognized"})
         elif path == MERGE_PATH and method == "POST":
             await self._relay_body(receive, send, "merge")
         elif path == EVENTS_PATH and method == "POST":

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 TOPOLOGY_NAMES = ("pipeline", "debate", "selector", "random")  # == topologies.TOPOLOGIES
-POLICY_NAMES = ("lru", "ttl", "kvflow", "agentkv", "agentkv+facts", "agentkv+warmup", "belady")  # == policies.POLICIES
-DEFAULT_POLICIES = POLICY_NAMES
+POLICY_NAMES = ("lru", "ttl", "kvflow", "agentkv", "agentkv+facts", "agentkv+warmup", "agentkv-untagged",
+                "belady")  # == policies.POLICIES
+DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if p != "agentkv-untagged")
 DEFAULT_MULTIPLIERS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)  # x the tape's largest request, in blocks
 DEFAULT_MARGIN = 15.0  # preflight: points of token hit rate between belady and lru

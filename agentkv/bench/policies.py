@@ -13,6 +13,7 @@ value of a group; lowest evicted first, ties by recency). In the spirit of SGLan
 | ``agentkv`` | L1: the server_patch runtime (learned transitions), eviction only |
 | ``agentkv+facts`` | L1 + L2: plus the declared topology graph and session_end events |
 | ``agentkv+warmup`` | as ``agentkv+facts`` plus anchor warm-up requests between turns |
+| ``agentkv-untagged`` | L0 sent to the runtime: no tags, no session ids; agents and sessions recognized |
 | ``kvflow`` | L2: steps-to-execution on the declared graph (KVFlow) |
 | ``belady`` | L3: the future trace; evicts the block whose next use is furthest |
 """
@@ -293,9 +294,11 @@ class AgentKV(Policy):
     name = "agentkv"
 
     def __init__(self, config: RuntimeConfig | None = None, *, facts: bool = False, warmup: bool = False,
+                 tagged: bool = True,
                  r_min: float = 0.3, fresh_seconds: float = 5.0, max_per_second: float = 2.0,
                  burst: float = 2.0) -> None:
         self.config = config or RuntimeConfig()
+        self.tagged = tagged  # False: requests carry neither tags nor session ids (recognition's input)
         self.facts = facts
         self.warmup = warmup
         self.r_min = r_min
@@ -307,6 +310,7 @@ class AgentKV(Policy):
         self._touched: dict[str, float] = {}
         self.anchors: dict[str, tuple[tuple[str, int], ...]] = {}
         self.warmups: Counter[str] = Counter()
+        self.confusion: dict[str, Counter[str]] = {}  # untagged: true agent -> recognized agent ("-": none)
 
     def install(self, sim: Replay) -> None:
         self.runtime = AgentKVRuntime(self.config, clock=sim.clock)
@@ -319,6 +323,9 @@ class AgentKV(Policy):
 
     def on_arrival(self, sim: Replay, request: Request, record: TapeRequest) -> None:
         self.runtime.on_add_request(request)
+        if not self.tagged:
+            tag = self.runtime.tag_of(request)
+            self.confusion.setdefault(record.agent, Counter())["-" if tag is None else tag.agent] += 1
         self.anchors[record.agent] = sim.plan.anchor_segments(record)
         self._touched[record.agent] = sim.now
 
@@ -368,6 +375,9 @@ class AgentKV(Policy):
         }
         if self.warmup:
             out["warmups"] = dict(sorted(self.warmups.items()))
+        if not self.tagged:
+            out["recognition"] = stats["recognition"]
+            out["confusion"] = {a: dict(c.most_common()) for a, c in sorted(self.confusion.items())}
         return out
 
 
@@ -384,6 +394,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "agentkv": AgentKV,
     "agentkv+facts": lambda: AgentKV(facts=True),
     "agentkv+warmup": lambda: AgentKV(facts=True, warmup=True),
+    "agentkv-untagged": lambda: AgentKV(tagged=False),
     "ttl": TTL,
     "kvflow": KVFlow,
     "belady": Belady,

@@ -349,8 +349,9 @@ class Replay:
             except ProtocolError:
                 tag = None  # ids outside the wire format's alphabet: served untagged
         params = SamplingParams(max_tokens=record.output_tokens, extra_args=tag)
+        session = record.session if self.policy.tagged else None  # untagged: no X-Session-ID either
         request = Request(record.id, self.plan.prompts[index], params, None, arrival_time=self.now,
-                          block_hasher=self.plan.hasher, session_id=record.session)
+                          block_hasher=self.plan.hasher, session_id=session)
         self.live[index] = request
         self.arrived[index] = self.now
         self.policy.on_arrival(self, request, record)

@@ -60,6 +60,7 @@ __all__ = [
     "add_anchor_hits",
     "add_arguments",
     "config_from_args",
+    "confusion_table",
     "load_example",
     "load_pyplot",
     "main",
@@ -347,6 +348,7 @@ class RateRun:
     setup: str = "single"
     engine_queries: tuple[float, ...] = ()
     warmups: dict[str, int] | None = None  # the coordinator's sent/failed/skipped counts
+    confusion: dict[str, dict[str, int]] | None = None  # untagged: true agent -> recognized agent -> calls
 
     def row(self) -> dict[str, Any]:
         return pooled_row([self])
@@ -369,6 +371,12 @@ def pooled_row(runs: Sequence[RateRun]) -> dict[str, Any]:
         row["engine_share"] = [q / sum(per_engine) if sum(per_engine) else math.nan for q in per_engine]
     if first.warmups is not None:
         row["warmups"] = dict(sum((collections.Counter(run.warmups) for run in runs), collections.Counter()))
+    if first.confusion is not None:
+        pooled: dict[str, collections.Counter[str]] = {}
+        for run in runs:
+            for agent, found in (run.confusion or {}).items():
+                pooled.setdefault(agent, collections.Counter()).update(found)
+        row["confusion"] = {a: dict(c.most_common()) for a, c in sorted(pooled.items())}
     failures = [f for run in runs for f in run.failures]
     if failures:
         row["failures"] = failures[:5]
@@ -409,6 +417,7 @@ async def run_rate(
     prefix: str,
     concurrency: int = 16,
     example: ModuleType | None = None,
+    untagged: bool = False,
 ) -> RateRun:
     """Run ``sessions`` sessions arriving at ``rate`` per second on one target.
 
@@ -416,6 +425,8 @@ async def run_rate(
     ``target.url``). Workloads are ``{prefix}-{i}``: the same workloads (and seed) give the same
     tasks and routes on every target; session ids add ``target.session_suffix``. ``X-Session-ID``
     carries ``target.routing_key`` during the run; ``agentkv+warmup`` runs a ``WarmupCoordinator``.
+    ``untagged`` (an uninstrumented ``app``): on an agentkv target, the run's calls are matched
+    to the server's recognitions (``GET /agentkv/v1/recognized``) for a confusion table.
     """
     from agentkv.frameworks import set_routing_key
     from agentkv.warmup import WarmupCoordinator
@@ -436,7 +447,9 @@ async def run_rate(
                 failures.append(f"{type(exc).__name__}: {exc}"[:300])
 
     load0 = _load()
+    recognize = untagged and target.server != "vanilla"
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+        seen = {r[0] for r in await _recognized(client, target.engines)} if recognize else set()
         before = await _counters(client, target.engines)
         previous_key = set_routing_key(target.routing_key)
         warmup = WarmupCoordinator(target.url).start() if target.warmup else None
@@ -450,6 +463,10 @@ async def run_rate(
         wall = time.perf_counter() - t0
         await asyncio.sleep(0.2)  # let the engine's counters settle
         after = await _counters(client, target.engines)
+        confusion = None
+        if recognize:
+            fresh = [r for r in await _recognized(client, target.engines) if r[0] not in seen]
+            confusion = confusion_table(timer.records, fresh)
     hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
     queries = tuple(a[1] - b[1] for a, b in zip(after, before, strict=True))
     warmups = None
@@ -458,7 +475,30 @@ async def run_rate(
         warmups = {k: stats[k] for k in ("sent", "failed", "dropped")} | {
             f"skipped_{reason}": n for reason, n in stats["skipped"].items()}
     return RateRun(target.server, rate, sessions, team.turns, timer.records, wall, sum(hits), sum(queries),
-                   failures, (load0, _load()), target.setup, queries, warmups)
+                   failures, (load0, _load()), target.setup, queries, warmups, confusion)
+
+
+async def _recognized(client: httpx.AsyncClient, engines: Sequence[str]) -> list[list[Any]]:
+    """The engines' recent recognitions: [request id, agent, session, prompt tokens], in arrival order."""
+    out: list[list[Any]] = []
+    for root in engines:
+        response = await client.get(root + "/agentkv/v1/recognized")
+        response.raise_for_status()
+        out += response.json()["recognized"]
+    return out
+
+
+def confusion_table(records: Sequence[CallRecord], recognized: Sequence[Sequence[Any]]) -> dict[str, dict[str, int]]:
+    """True agent -> recognized agent -> calls. A call is matched to the first unmatched recognition
+    with its prompt length, in start order ("-": not recognized, "?": no recognition matched)."""
+    pending: dict[int, collections.deque[str]] = {}
+    for _, agent, _, tokens in recognized:
+        pending.setdefault(int(tokens), collections.deque()).append(agent or "-")
+    table: dict[str, collections.Counter[str]] = {}
+    for record in sorted((r for r in records if r.error is None), key=lambda r: r.start):
+        queue = pending.get(record.prompt_tokens)
+        table.setdefault(record.agent, collections.Counter())[queue.popleft() if queue else "?"] += 1
+    return {a: dict(c.most_common()) for a, c in sorted(table.items())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -540,13 +580,16 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any) -
     for target in targets:
         team = example.TeamConfig(base_url=target.url + "/v1", max_tokens=config.max_tokens, turns=config.turns,
                                   tool_gap=config.tool_gap, seed=config.seed, tool_choice="none", routing="markov")
-        app = agentkv.instrument(example.build_team(team), events_url=list(target.events) or None)
+        app = example.build_team(team)
+        if not config.untagged:
+            app = agentkv.instrument(app, events_url=list(target.events) or None)
         apps.append((target, app, team))
     for target, app, team in apps:
         if config.warmup_sessions:
             log(f"warm-up: {config.warmup_sessions} sessions on {_label(target)}")
             await run_rate(app, team, target, rate=max(config.rates), sessions=config.warmup_sessions,
-                           seed=config.seed, prefix="warmup", concurrency=2, example=example)
+                           seed=config.seed, prefix="warmup", concurrency=2, example=example,
+                           untagged=config.untagged)
     runs: dict[tuple[float, str, str], list[RateRun]] = {}
     for repeat in range(config.repeats):
         for index, rate in enumerate(config.rates):
@@ -555,7 +598,7 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any) -
             for target, app, team in order:
                 run = await run_rate(app, team, target, rate=rate, sessions=config.sessions,
                                      seed=config.seed + repeat, prefix=f"x{repeat}-r{index}",
-                                     concurrency=config.concurrency, example=example)
+                                     concurrency=config.concurrency, example=example, untagged=config.untagged)
                 runs.setdefault((rate, target.setup, target.server), []).append(run)
                 row = run.row()
                 log(f"{'' if config.repeats == 1 else f'[{repeat + 1}/{config.repeats}] '}rate {rate:g}/s "
@@ -662,6 +705,17 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def confusion_markdown(row: dict[str, Any]) -> str:
+    """A row's confusion table: one line per true agent, one column per recognized agent."""
+    table: dict[str, dict[str, int]] = row["confusion"]
+    found = sorted({f for counts in table.values() for f in counts}, key=lambda f: (f in "-?", f))
+    lines = [f"{row['server']} at {row['rate']:g} sessions/s: true agent (rows) vs recognized agent (columns)", "",
+             "| agent | " + " | ".join(found) + " |", "|---|" + "---:|" * len(found)]
+    lines += [f"| {agent} | " + " | ".join(str(counts.get(f, "")) for f in found) + " |"
+              for agent, counts in table.items()]
+    return "\n".join(lines)
+
+
 def _pct(value: float | None) -> str:
     return "" if value is None or math.isnan(value) else f"{value:.0%}"
 
@@ -723,7 +777,9 @@ def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = No
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "serve.json", "md": out / "serve.md"}
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["md"].write_text(markdown_table(result["rows"]) + "\n")
+    tables = [markdown_table(result["rows"])]
+    tables += [confusion_markdown(r) for r in result["rows"] if r.get("confusion")]
+    paths["md"].write_text("\n\n".join(tables) + "\n")
     c = result["config"]
     title = (f"{c['sessions']} sessions/rate x {c.get('repeats', 1)} repeats, {c['turns']} turns, "
              f"{int(c['blocks']) - 1} blocks x {c['block_size']} tokens, tool gap {c['tool_gap']} s, seed {c['seed']}")
@@ -750,5 +806,8 @@ def main(args: argparse.Namespace) -> int:
     paths = write_reports(result, config.out, args.plot)
     print()
     print(markdown_table(result["rows"]))
+    for row in result["rows"]:
+        if row.get("confusion"):
+            print("\n" + confusion_markdown(row))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in paths.items()))
     return 0

@@ -44,6 +44,7 @@ class ServeConfig:
     routers: list[str] = field(default_factory=lambda: ["kv_aware", "consistent_hash", "round_robin"])
     routing_keys: list[str] = field(default_factory=lambda: ["session", "agent"])
     warmup: bool = False  # also run agentkv with the client's warm-up coordinator ("agentkv+warmup")
+    untagged: bool = False  # the app is not instrumented: no tags, no X-Session-ID, no events (recognition)
 
     def __post_init__(self) -> None:
         from agentkv.cluster import POLICIES  # light: no vLLM import
@@ -90,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              " round_robin ignores it and runs once)")
     parser.add_argument("--warmup", action="store_true",
                         help="also run agentkv with anchor warm-ups (agentkv+warmup) in every setup")
+    parser.add_argument("--untagged", action="store_true",
+                        help="send no agentkv headers at all (no tags, no X-Session-ID, no events): the agentkv "
+                             "server recognizes agents and sessions itself; adds a confusion table")
     parser.add_argument("--out", type=Path, default=d.out, help="directory for serve.json, serve.md, serve.png")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/serve.png)")
 
@@ -111,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         routers=_names(args.router),
         routing_keys=_names(args.routing_key),
         warmup=args.warmup,
+        untagged=args.untagged,
     )
 
 

@@ -85,8 +85,8 @@ class ReuseConfig:
 
 
 _FLOOR = 1e-9  # reuses per second of a group nothing will reuse (keeps logs finite)
-_LOG_FLOOR = math.log(_FLOOR)
 _STEPS = 20  # score resolution: 1/20 of a log unit (5%)
+_LOG_FLOOR = math.floor(math.log(_FLOOR) * _STEPS) / _STEPS
 
 
 def _quantized(logs: np.ndarray) -> np.ndarray:

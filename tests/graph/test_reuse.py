@@ -120,8 +120,8 @@ def test_an_abandoned_session_goes_first_without_any_end_event():
 def test_an_unknown_session_and_unknown_agents_score_at_the_floor():
     learner = _learned({("x", "y"): 10})
     table = _table(learner, _timing(1.0, "xy"), [], now=1.0)
-    assert table.score(History("nobody", frozenset("x"))) == pytest.approx(math.log(1e-9))
-    assert table.score(Anchor(frozenset({"stranger"}))) == pytest.approx(math.log(1e-9))
+    assert table.score(History("nobody", frozenset("x"))) == pytest.approx(math.log(1e-9), abs=0.05)
+    assert table.score(Anchor(frozenset({"stranger"}))) == pytest.approx(math.log(1e-9), abs=0.05)
 
 
 def test_unpredictable_workloads_score_every_group_alike():

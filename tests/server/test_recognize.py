@@ -1,0 +1,157 @@
+"""Recognition of agents and sessions from untagged prompts (pure: block hashes are tuples here)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Hashable
+
+import pytest
+
+from server_patch._recognize import Recognition, RecognizeConfig, Recognizer, chunk_chain
+
+BS = 16
+
+
+def block_hashes(tokens: list[int]) -> list[Hashable]:
+    """Chained block hashes, as vLLM's prefix cache computes them (only full blocks)."""
+    out: list[Hashable] = []
+    parent: Hashable = None
+    for start in range(0, len(tokens) - BS + 1, BS):
+        parent = hash((parent, tuple(tokens[start : start + BS])))
+        out.append(parent)
+    return out
+
+
+def text(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 30_000) for _ in range(n)]
+
+
+class Workload:
+    """Sessions of agents: prompt = the agent's anchor + the session's shared, growing history."""
+
+    def __init__(self, anchors: dict[str, list[int]]) -> None:
+        self.anchors = anchors
+        self.history: dict[str, list[int]] = {}
+        self.recognizer = Recognizer()
+        self.seen: list[tuple[str, str, Recognition]] = []  # (true agent, true session, recognition)
+        self._n = 0
+
+    def call(self, session: str, agent: str, anchor: list[int] | None = None, session_id: str | None = None) -> None:
+        history = self.history.setdefault(session, text(f"task-{session}", 60))
+        prompt = (anchor if anchor is not None else self.anchors[agent]) + history
+        self._n += 1
+        result = self.recognizer.recognize(f"r{self._n}", block_hashes(prompt), prompt, BS, session_id)
+        self.seen.append((agent, session, result))
+        history += text(f"out-{session}-{self._n}", 40) + text(f"tool-{session}-{self._n}", 30)
+
+    def labels(self, skip: int = 0) -> dict[str, set[str | None]]:
+        out: dict[str, set[str | None]] = defaultdict(set)
+        for agent, _, result in self.seen[skip:]:
+            out[agent].add(result.agent)
+        return out
+
+
+def _rounds(work: Workload, sessions: range, route: list[str]) -> None:
+    for s in sessions:
+        for agent in route:
+            work.call(f"s{s}", agent)
+
+
+def test_agents_sharing_a_long_preamble_stay_two_agents():
+    preamble = text("preamble", 500)  # chat template + shared team text: 500 tokens
+    work = Workload({a: preamble + text(f"anchor-{a}", 300) for a in ("alpha", "beta")})
+    _rounds(work, range(4), ["alpha", "beta", "alpha", "beta"])
+    skip = len(work.seen)
+    _rounds(work, range(4, 10), ["alpha", "beta", "alpha", "beta"])
+    labels = work.labels(skip)
+    assert len(labels["alpha"]) == 1 and len(labels["beta"]) == 1
+    assert labels["alpha"] != labels["beta"] and None not in labels["alpha"] | labels["beta"]
+    assert work.recognizer.preamble_blocks == 500 // BS
+
+
+def test_an_anchor_with_a_varying_tail_stays_one_agent():
+    stable = {a: text(f"anchor-{a}", 200) for a in ("planner", "coder")}
+    work = Workload({})
+    for s in range(12):
+        user = text(f"user-{s}", 12)  # a user name (or a date) inside the planner's system prompt
+        work.call(f"s{s}", "planner", stable["planner"] + user + text("planner-rest", 100))
+        work.call(f"s{s}", "coder", stable["coder"] + text("coder-rest", 50))
+        work.call(f"s{s}", "planner", stable["planner"] + user + text("planner-rest", 100))
+    labels = work.labels(skip=3 * 4)
+    assert len(labels["planner"]) == 1 and len(labels["coder"]) == 1 and labels["planner"] != labels["coder"]
+    assert None not in labels["planner"]
+
+
+def test_a_session_that_switches_agents_is_followed():
+    agents = ("supervisor", "researcher", "writer")
+    work = Workload({a: text(f"anchor-{a}", 150 + 37 * i) for i, a in enumerate(agents)})
+    route = ["supervisor", "researcher", "supervisor", "writer", "writer", "supervisor"]
+    _rounds(work, range(3), route)
+    skip = len(work.seen)
+    for step in range(len(route)):  # six sessions interleaved, turn by turn
+        for s in range(3, 9):
+            work.call(f"s{s}", route[step])
+    by_true: dict[str, set[str | None]] = defaultdict(set)
+    for _, session, result in work.seen[skip:]:
+        by_true[session].add(result.session)
+    assert all(len(v) == 1 for v in by_true.values()), by_true
+    assert len({next(iter(v)) for v in by_true.values()}) == 6
+    one = [r for _, s, r in work.seen[skip:] if s == "s5"]
+    names = {a: r.agent for a, _, r in work.seen[skip:]}
+    assert [r.parent for r in one] == ["", *(names[a] for a in route[:-1])]
+    assert [r.step for r in one] == [0, 1, 2, 3, 3, 4]  # the writer's second call is the same dispatch
+
+
+def test_x_session_id_names_the_session():
+    work = Workload({"a": text("anchor-a", 100), "b": text("anchor-b", 100)})
+    for s in range(6):
+        work.call(f"s{s}", "a", session_id=f"chat-{s}")
+        work.call(f"s{s}", "b", session_id=f"chat-{s}")
+    assert [r.session for _, _, r in work.seen[-2:]] == ["chat-5", "chat-5"]
+    assert work.seen[-1][2].parent == work.seen[-2][2].agent is not None
+
+
+def test_a_flood_of_random_prompts_stays_within_the_caps():
+    config = RecognizeConfig(max_nodes=400, max_sessions=30, max_depth=32)
+    recognizer = Recognizer(config)
+    rng = random.Random(7)
+    for i in range(3000):
+        prompt = [rng.randrange(100, 30_000) for _ in range(rng.randrange(1, 700))]
+        result = recognizer.recognize(f"x{i}", block_hashes(prompt), prompt, BS, None)
+        assert result.agent is None
+        if i % 3 == 0:  # some come with a session id of their own
+            recognizer.recognize(f"y{i}", block_hashes(prompt[:40]), prompt[:40], BS, f"flood-{i}")
+    assert len(recognizer.nodes) <= 400
+    assert len(recognizer.sessions) <= 30 and len(recognizer.heads) <= 30
+    assert len(recognizer.recent) <= config.recent
+    assert recognizer.stats()["unrecognized_requests"] == 4000
+
+
+def test_tagged_requests_name_the_anchor_for_untagged_ones():
+    anchors = {a: text(f"anchor-{a}", 120) for a in ("planner", "coder")}
+    recognizer = Recognizer()
+    for s in range(5):
+        for agent, anchor in anchors.items():
+            prompt = anchor + text(f"task-{s}", 50)
+            recognizer.observe_tagged(agent, block_hashes(prompt), prompt, BS)
+    prompt = anchors["coder"] + text("task-new", 50)
+    assert recognizer.recognize("u1", block_hashes(prompt), prompt, BS).agent == "coder"
+
+
+def test_chunk_chain_ignores_where_the_history_starts():
+    history = text("history", 400)
+    first = next(i for i, t in enumerate(history) if (t * 0x9E3779B1 >> 7) & 7 == 0)  # the documented rule
+    assert first > 0
+    a = chunk_chain(text("x", 7) + history, 7, 1024, 8)  # estimates of where the history starts that
+    b = chunk_chain(text("y", 3) + history, 3 + first, 1024, 8)  # fall before its first boundary
+    assert len(a) > 10 and a == b
+    assert chunk_chain(history + text("more", 50), 0, 1024, 8)[: len(a)] == a  # a continuation extends it
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError):
+        RecognizeConfig(chunk=6)
+    with pytest.raises(ValueError):
+        RecognizeConfig(max_nodes=0)

@@ -1,0 +1,99 @@
+"""Recognition inside AgentKVRuntime on a real vLLM KVCacheManager (untagged requests get agents)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
+from agentkv.protocol import AgentTag
+from agentkv.serve import take_agentkv_flags
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+from tests.server.test_runtime import HASHER, manager, run
+
+AGENTS = ("supervisor", "coder", "reviewer")
+_ids = itertools.count()
+
+
+def tokens(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 30_000) for _ in range(n)]
+
+
+ANCHORS = {a: tokens("team", 40) + tokens(f"anchor-{a}", 90) for a in AGENTS}
+
+
+def untagged(prompt: list[int], session_id: str | None = None) -> Request:
+    return Request(f"u{next(_ids)}", prompt, SamplingParams(max_tokens=1), None, block_hasher=HASHER,
+                   session_id=session_id)
+
+
+def sessions(runtime: AgentKVRuntime, kv, count: int, *, first: int = 0) -> list[tuple[str, Request]]:
+    """Pipeline sessions without tags: each agent's anchor + the session's growing history."""
+    out = []
+    for s in range(first, first + count):
+        history = tokens(f"task-{s}", 50)
+        for agent in AGENTS:
+            req = untagged(ANCHORS[agent] + history)
+            run(kv, runtime, req)
+            out.append((agent, req))
+            history = history + tokens(f"out-{s}-{agent}", 40)
+    return out
+
+
+def test_untagged_requests_are_learned_as_agents_with_sessions():
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    sessions(runtime, kv, 4)
+    measured = sessions(runtime, kv, 4, first=4)
+    tags = [(agent, runtime.tag_of(req)) for agent, req in measured]
+    names = {agent: {t.agent for a, t in tags if a == agent} for agent in AGENTS}
+    assert all(len(v) == 1 and next(iter(v)).startswith("fp:") for v in names.values())
+    assert len({next(iter(v)) for v in names.values()}) == 3
+    per_session = [tags[i : i + 3] for i in range(0, len(tags), 3)]
+    for calls in per_session:
+        assert len({t.session for _, t in calls}) == 1  # no X-Session-ID: followed by continuation
+        assert [t.parent for _, t in calls] == ["", *(t.agent for _, t in calls[:-1])]
+    stats = runtime.stats()
+    fp = next(iter(names["coder"]))
+    assert stats["agents"][fp]["queries"] > 0 and stats["agents"][fp]["hits"] > 0
+    assert fp in runtime.learner.agents and runtime.tagged_requests == stats["recognition"]["recognized_requests"]
+    assert stats["recognition"]["unrecognized_requests"] + stats["recognition"]["recognized_requests"] == 24
+    assert runtime.handle({"op": "recognized"})["recognized"][-1][1] == next(iter(names["reviewer"]))
+
+
+def test_tags_win_and_name_the_recognized_anchor():
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    for s in range(4):  # a tagged client: its agent names label the anchors
+        history = tokens(f"task-{s}", 50)
+        for agent in AGENTS:
+            params = SamplingParams(max_tokens=1, extra_args=AgentTag(agent, f"t{s}").to_xargs())
+            req = Request(f"t{next(_ids)}", ANCHORS[agent] + history, params, None, block_hasher=HASHER)
+            run(kv, runtime, req)
+            assert runtime.tag_of(req).agent == agent
+    other = untagged(ANCHORS["coder"] + tokens("task-x", 50), session_id="chat-1")
+    run(kv, runtime, other)
+    assert runtime.tag_of(other) == AgentTag("coder", "chat-1", "", 0)  # one model for both kinds of client
+
+
+def test_recognition_off():
+    config = RuntimeConfig.from_env({"AGENTKV_RECOGNIZE": "0"})
+    assert not config.recognize and RuntimeConfig.from_env({}).recognize
+    runtime, kv = AgentKVRuntime(config), manager(400)
+    runtime.install(kv)
+    measured = sessions(runtime, kv, 4)
+    assert all(runtime.tag_of(req) is None for _, req in measured)
+    assert runtime.stats()["recognition"] is None and runtime.policy == "lru"
+
+
+def test_serve_flag_sets_the_environment():
+    env: dict[str, str] = {}
+    assert take_agentkv_flags(["M", "--agentkv-recognize", "off", "--port", "1"], env) == ["M", "--port", "1"]
+    assert env == {"AGENTKV_RECOGNIZE": "0"}
+    assert take_agentkv_flags(["--agentkv-recognize=on"], env) == [] and env["AGENTKV_RECOGNIZE"] == "1"
+    with pytest.raises(SystemExit):
+        take_agentkv_flags(["--agentkv-recognize", "maybe"], env)

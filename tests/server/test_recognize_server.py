@@ -1,0 +1,39 @@
+"""A real ``agentkv serve`` recognizes the agents of requests that carry no agentkv metadata at all."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from agentkv.protocol import STATS_PATH
+
+pytestmark = pytest.mark.server
+
+BLOCK = 32
+AGENTS = ("planner", "coder")
+
+
+def _tokens(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+def test_untagged_requests_show_recognized_agents_in_stats(agentkv_server):
+    anchors = {a: _tokens("team", BLOCK) + _tokens(f"anchor-{a}", 4 * BLOCK) for a in AGENTS}
+    with httpx.Client(base_url=agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        before = client.get(STATS_PATH).json()["recognition"]["recognized_requests"]
+        for s in range(5):
+            history = _tokens(f"task-{s}", 3 * BLOCK)
+            for agent in AGENTS:  # plain OpenAI-compatible requests: no X-AgentKV-*, no X-Session-ID
+                body = {"model": "tiny", "prompt": anchors[agent] + history, "max_tokens": 1, "temperature": 0}
+                client.post("/v1/completions", json=body).raise_for_status()
+                history = history + _tokens(f"out-{s}-{agent}", BLOCK)
+        stats = client.get(STATS_PATH).json()
+        recent = client.get("/agentkv/v1/recognized").json()["recognized"]
+    assert stats["recognition"]["recognized_requests"] - before >= 4
+    found = {agent for _, agent, _, _ in recent[-4:]}
+    assert len(found) == 2 and all(a.startswith("fp:") for a in found)
+    assert all(stats["agents"][a]["queries"] > 0 for a in found)
+    assert len({session for _, _, session, _ in recent[-2:]}) == 1  # the coder continued the planner's session
