@@ -78,7 +78,7 @@ def test_a_deterministic_ring_values_the_next_agent_at_one_over_the_time_to_it()
     assert rates["y"] > rates["z"] > rates["x"] > 0
     assert rates["y"] == pytest.approx(1 / 2.0, rel=0.3)
     assert rates["z"] == pytest.approx(1 / 4.0, rel=0.3)
-    assert table.score(History("s", frozenset({"y"}))) == pytest.approx(math.log(rates["y"]), abs=1e-6)
+    assert table.score(History("s", frozenset({"y"}))) == pytest.approx(math.log(rates["y"]), abs=0.05)  # quantized
 
 
 def test_history_never_outranks_its_anchor_and_anchors_add_up_over_sessions():
