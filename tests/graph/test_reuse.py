@@ -94,7 +94,7 @@ def test_history_never_outranks_its_anchor_and_anchors_add_up_over_sessions():
             assert table.score(History(session, frozenset(agent))) <= table.score(Anchor(frozenset(agent)))
     # a prefix shared by both agents is used by either of them
     both = table.score(Anchor(frozenset("xy")))
-    assert both == pytest.approx(math.log(table.anchor_rate.sum() + 1e-9))
+    assert both == pytest.approx(math.log(table.anchor_rate.sum() + 1e-9), abs=0.05)  # quantized
 
 
 def test_a_session_in_a_short_tool_call_outranks_the_anchor_of_a_rare_agent():
