@@ -15,6 +15,8 @@ __all__ = ["GapTable", "SessionTiming", "TimingConfig"]
 _EDGES = np.geomspace(0.02, 7200.0, 49)
 _CENTERS = np.sqrt(_EDGES[:-1] * _EDGES[1:])
 _BINS = len(_CENTERS)
+# _INVERSE_LEFT[j, b] = 1 / (time left in bin b for a gap that reached edge j), 0 for b < j
+_INVERSE_LEFT = np.triu(1.0 / np.maximum(_CENTERS[None, :] - _EDGES[:-1, None], 1e-3))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,8 @@ class _Session:
 class GapTable:
     """Read-only per-agent view of the learned gap distributions, evaluated at bin edges.
 
-    ``survival[i, b]`` = P(gap > edge b) for agents[i]; ``residual[i, b]`` = E[gap - edge b |
-    gap > edge b]. Row ``len(agents)`` is the global distribution (agents never seen).
+    ``survival[i, b]`` = P(gap > edge b) for agents[i]; ``residual[i, b]`` = the harmonic mean of
+    gap - edge b given gap > edge b; ``mean_gap`` the median gap over all agents. Row ``len(agents)`` is the global distribution (agents never seen).
     """
 
     agents: tuple[str, ...]
@@ -186,21 +188,23 @@ class SessionTiming:
         return 1.0 / max(self._start_interval, now - self._last_start)
 
     def table(self) -> GapTable:
-        """Survival and mean residual time of every agent's gap distribution, at the bin edges."""
+        """Survival and time left of every agent's gap distribution, at the bin edges."""
         agents = tuple(self._hist)
         own = np.array([self._hist[a] / self._weight[a] for a in agents]).reshape(len(agents), _BINS)
         pooled = self._global / self._global_weight
         total = pooled.sum()
         prior = pooled / total if total > 0 else np.full(_BINS, 1.0 / _BINS)
         mass = np.vstack([own + self.config.prior_gaps * prior[None, :], prior[None, :]])
-        # tail sums from bin b on: P(gap >= edge b) and E[gap; gap >= edge b]
+        # tail sums from bin b on: P(gap >= edge b)
         tail = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1]
-        tail_time = np.cumsum((mass * _CENTERS)[:, ::-1], axis=1)[:, ::-1]
         norm = tail[:, :1]
         survival = np.divide(tail, norm, out=np.zeros_like(tail), where=norm > 0)
-        residual = np.divide(tail_time, tail, out=np.zeros_like(tail), where=tail > 0) - _EDGES[None, :-1]
-        mean_gap = float((prior * _CENTERS).sum())
-        return GapTable(agents, {a: i for i, a in enumerate(agents)}, survival, np.maximum(residual, 0.0), mean_gap)
+        # the harmonic mean of the time left, 1 / E[1 / (gap - edge b) | gap >= edge b]: a rate
+        # of next use is an average of 1/time, and heavy tails would inflate a plain mean
+        inverse = np.sum(mass[:, None, :] * _INVERSE_LEFT[None, :, :], axis=2)
+        residual = np.divide(tail, inverse, out=np.zeros_like(tail), where=inverse > 0)
+        mean_gap = float(_CENTERS[np.searchsorted(np.cumsum(prior), 0.5)]) if total > 0 else float(_CENTERS.mean())
+        return GapTable(agents, {a: i for i, a in enumerate(agents)}, survival, residual, mean_gap)
 
     def state_bytes(self) -> int:
         return (len(self._hist) + 1) * _BINS * 8 + sum(len(s) + 40 for s in self._sessions)
