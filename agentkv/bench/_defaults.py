@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 TOPOLOGY_NAMES = ("pipeline", "debate", "selector", "random")  # == topologies.TOPOLOGIES
+WORKLOAD_NAMES = (*TOPOLOGY_NAMES, "teams", "multi-app", "heavy-tools", "abandoned")  # == workloads.WORKLOADS
 POLICY_NAMES = ("lru", "ttl", "kvflow", "agentkv", "agentkv+facts", "agentkv+warmup", "belady")  # == policies.POLICIES
 DEFAULT_POLICIES = POLICY_NAMES
 DEFAULT_MULTIPLIERS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)  # x the tape's largest request, in blocks
