@@ -181,7 +181,7 @@ _TEAMS = (("search", 4), ("data", 5), ("web", 4), ("ops", 3), ("qa", 5))
 
 def _teams(seed: int) -> tuple[AppSpec, ...]:
     """A director, five team leads and 21 workers (27 agents); a session works with one
-    team (p 0.55) or two (p 0.45), teams drawn by the director's preference."""
+    team (p 0.45) or two (p 0.55), teams drawn by the director's preference."""
     rng = np.random.default_rng(stream_seed("teams", seed, 1))
     org = ("anchor/org", 64)
     agents = [AgentSpec("director", int(rng.integers(110, 141)) * 10, 0.0, ToolGap(), (org,))]
@@ -202,7 +202,7 @@ def _teams(seed: int) -> tuple[AppSpec, ...]:
     matrix[0, leads] = preference
     for members in teams:
         lead, workers = index[members[0]], [index[w] for w in members[1:]]
-        back, across = float(rng.uniform(0.1, 0.2)), float(rng.uniform(0.1, 0.2))
+        back, across = float(rng.uniform(0.15, 0.3)), float(rng.uniform(0.15, 0.3))
         matrix[lead, workers] = (1.0 - back - across) * rng.dirichlet(np.full(len(workers), 2.0))
         matrix[lead, 0] = back
         matrix[lead, [x for x in leads if x != lead]] = across / (len(leads) - 1)
@@ -211,7 +211,7 @@ def _teams(seed: int) -> tuple[AppSpec, ...]:
             matrix[w, lead] = to_lead
             matrix[w, [x for x in workers if x != w]] = (1.0 - to_lead) * rng.dirichlet(np.full(len(workers) - 1, 2.0))
     return (AppSpec("teams", tuple(agents), _rows(_normalise(matrix)), _one_hot(n, 0), (10, 25),
-                    teams=tuple(teams), teams_per_session=(0.55, 0.45),
+                    teams=tuple(teams), teams_per_session=(0.45, 0.55),
                     team_weights=tuple(float(p) for p in preference)),)
 
 
