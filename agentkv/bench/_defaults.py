@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 TOPOLOGY_NAMES = ("pipeline", "debate", "selector", "random")  # == topologies.TOPOLOGIES
+WORKLOAD_NAMES = (*TOPOLOGY_NAMES, "teams", "multi-app", "heavy-tools", "abandoned")  # == workloads.WORKLOADS
 POLICY_NAMES = ("lru", "ttl", "kvflow", "agentkv", "agentkv+facts", "agentkv+warmup", "agentkv-untagged",
                 "belady")  # == policies.POLICIES
 DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if p != "agentkv-untagged")

@@ -8,7 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES, POLICY_NAMES, TOPOLOGY_NAMES
+from ._defaults import (
+    DEFAULT_MARGIN,
+    DEFAULT_MULTIPLIERS,
+    DEFAULT_POLICIES,
+    POLICY_NAMES,
+    TOPOLOGY_NAMES,
+    WORKLOAD_NAMES,
+)
 
 __all__ = ["add_replay_arguments", "add_tape_arguments", "run_replay", "run_tape"]
 
@@ -23,44 +30,62 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _workload_arguments(parser: argparse.ArgumentParser, *, topology: bool) -> None:
-    if topology:
-        parser.add_argument("--topology", choices=TOPOLOGY_NAMES, default="selector", help="coordination topology")
-    parser.add_argument("--sessions", type=int, default=40, help="sessions per tape (default 40)")
-    parser.add_argument("--rate", type=float, default=0.05, help="Poisson session arrivals per second (default 0.05)")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in names if x not in WORKLOAD_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOAD_NAMES)}")
+    return names
+
+
+def _workload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sessions", type=int, default=None,
+                        help="sessions per tape (default: the workload's, 40 for the topologies)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="Poisson session arrivals per second (default: the workload's, 0.05 for the topologies)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="workload seed: draws the sessions and the zoo's parameters (default 0)")
     parser.add_argument("--tool-loop", action="store_true",
-                        help="after a tool call the same agent is called again (same dispatch step)")
+                        help="after a tool call the same agent is called again (same dispatch step; "
+                             "heavy-tools always loops)")
 
 
-def _config(args: argparse.Namespace, topology: str):  # -> WorkloadConfig
+def _config(args: argparse.Namespace, workload: str):  # -> WorkloadConfig
     from .tape import WorkloadConfig
 
-    return WorkloadConfig(topology=topology, sessions=args.sessions, rate=args.rate, seed=args.seed,
-                          tool_loop=args.tool_loop)
+    return WorkloadConfig.named(workload, sessions=args.sessions, rate=args.rate, seed=args.seed,
+                                tool_loop=args.tool_loop)
 
 
 def add_tape_arguments(parser: argparse.ArgumentParser) -> None:
-    _workload_arguments(parser, topology=True)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--workload", choices=WORKLOAD_NAMES, default=None,
+                       help="workload: a six-agent topology or a zoo workload (docs/tapes.md; default selector)")
+    which.add_argument("--topology", choices=TOPOLOGY_NAMES, default=None, help="a six-agent topology (= --workload)")
+    _workload_arguments(parser)
     parser.add_argument("-o", "--output", required=True, help="tape file to write (JSONL, docs/tapes.md)")
 
 
 def run_tape(args: argparse.Namespace) -> None:
     from .tape import generate, write_tape
 
-    tape = generate(_config(args, args.topology))
+    tape = generate(_config(args, args.workload or args.topology or "selector"))
     write_tape(tape, args.output)
     summary = tape.header["summary"]
+    target = tape.header["target_predictability"]
     print(f"wrote {args.output}: {summary['sessions']} sessions, {summary['requests']} requests, "
-          f"anchors {100 * summary['anchor_share']:.1f}% of prompt tokens, R {summary['predictability']:.2f} "
-          f"(target {tape.header['target_predictability']:.2f})", file=sys.stderr)
+          f"anchors {100 * summary['anchor_share']:.1f}% of prompt tokens, R {summary['predictability']:.2f}"
+          + ("" if target is None else f" (target {target:.2f})")
+          + (f", {summary['abandoned_sessions']} sessions abandoned" if summary["abandoned_sessions"] else ""),
+          file=sys.stderr)
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("tapes", nargs="*", help="tape files; none: generate one tape per topology (options below)")
-    _workload_arguments(parser, topology=False)
-    parser.add_argument("--topologies", default=",".join(TOPOLOGY_NAMES),
-                        help="topologies of the generated tapes (without TAPE arguments)")
+    parser.add_argument("tapes", nargs="*", help="tape files; none: generate one tape per workload (options below)")
+    _workload_arguments(parser)
+    parser.add_argument("--workloads", "--topologies", dest="workloads", type=_names, default=list(WORKLOAD_NAMES),
+                        help="workloads of the generated tapes, comma-separated (without TAPE arguments; "
+                             f"default all: {','.join(WORKLOAD_NAMES)})")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                         help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
     parser.add_argument("--capacities", type=_ints, default=None,
@@ -96,8 +121,8 @@ def run_replay(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     paths = list(args.tapes)
     if not paths:
-        for topology in [t for t in args.topologies.split(",") if t]:
-            tape = generate(_config(args, topology))
+        for workload in args.workloads:
+            tape = generate(_config(args, workload))
             path = out / "tapes" / f"{tape.name}.jsonl"
             write_tape(tape, path)
             paths.append(str(path))

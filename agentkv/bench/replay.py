@@ -18,6 +18,7 @@ No model runs: vLLM's block pool, prefix hashing, hit lookup and eviction are re
 from __future__ import annotations
 
 import heapq
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +34,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, get_block_hash, hash_block_to
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request, RequestStatus
 
-from agentkv.protocol import AgentTag, ProtocolError
+from agentkv.protocol import AgentTag, ProtocolError, validate_id
 
 from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
 from .policies import Policy, make_policy
@@ -46,6 +47,7 @@ __all__ = ["Replay", "ReplayResult", "TapePlan", "make_manager", "replay"]
 # PYTHONHASHSEED is set; a constant root keeps block hashes identical across processes).
 _ROOT = BlockHash(sha256(("agentkv-tape", 1)))
 _MAX_MODEL_LEN = 1 << 16
+_NOT_WIRE = re.compile(r"[^A-Za-z0-9._:@/-]")  # outside agentkv.protocol's id alphabet
 
 
 def make_manager(num_blocks: int, block_size: int) -> KVCacheManager:
@@ -169,9 +171,21 @@ class TapePlan:
     def agents(self) -> list[str]:
         return list(dict.fromkeys(r.agent for r in self.requests))
 
+    @property
+    def header_graph(self) -> dict[str, Any] | None:
+        """The tape header's declared graph (``graph``, validated by ``read_tape``), if any."""
+        graph = self.tape.header.get("graph")
+        return graph if isinstance(graph, dict) else None
+
     def declared_graph(self) -> dict[str, set[str]]:
-        """The graph the app declares: the topology's possible transitions (its support);
-        for a tape without a known topology, the complete graph over its agents."""
+        """The graph the app declares: the header's ``graph`` (every possible transition), else
+        the named topology's (its support); for a tape with neither, the complete graph over its agents."""
+        graph = self.header_graph
+        if graph is not None:
+            out: dict[str, set[str]] = {a: set() for a in graph["nodes"]}
+            for a, b in graph.get("edges", []):
+                out[a].add(b)
+            return out
         name = self.topology_name
         if name is None:
             agents = self.agents()
@@ -180,16 +194,30 @@ class TapePlan:
         return {a: {b for j, b in enumerate(AGENTS) if matrix[i, j] > 1e-12} for i, a in enumerate(AGENTS)}
 
     def entry_agents(self) -> list[str]:
+        graph = self.header_graph
+        if graph is not None and graph.get("entry"):
+            return list(graph["entry"])
         return list(dict.fromkeys(r.agent for r in self.requests if r.parent == ""))
 
     def graph_event(self) -> dict[str, Any] | None:
-        if self.topology_name is None:
+        """The ``graph`` event the app would send (ids outside the wire alphabet left out); None without a graph."""
+        if self.header_graph is None and self.topology_name is None:
             return None
-        graph = self.declared_graph()
+        graph = {a: {b for b in succ if _fits_wire(b)} for a, succ in self.declared_graph().items() if _fits_wire(a)}
         edges = sorted([a, b] for a, succ in graph.items() if len(succ) == 1 for b in succ)
         conditional = sorted([a, b] for a, succ in graph.items() if len(succ) > 1 for b in succ)
-        return {"type": "graph", "id": f"topology-{self.topology_name}", "nodes": list(graph),
-                "edges": edges, "conditional_edges": conditional, "entry": self.entry_agents()}
+        name = f"tape-{self.tape.name}" if self.topology_name is None else f"topology-{self.topology_name}"
+        return {"type": "graph", "id": _NOT_WIRE.sub("-", name)[:128], "nodes": list(graph),
+                "edges": edges, "conditional_edges": conditional,
+                "entry": [a for a in self.entry_agents() if a in graph]}
+
+
+def _fits_wire(value: str) -> bool:
+    try:
+        validate_id(value, "agent")
+    except ProtocolError:
+        return False
+    return True
 
 
 @dataclass
@@ -412,7 +440,8 @@ class Replay:
         self.policy.on_finish(self, request, record)
         following = self.plan.next_in_session[index]
         if following is None:
-            self.policy.on_session_end(self, record.session)
+            if not record.abandoned:  # an abandoned session's app never says it ended
+                self.policy.on_session_end(self, record.session)
         else:
             self._push(max(self.plan.requests[following].t, self.now + record.tool_gap), _ARRIVE, following)
 

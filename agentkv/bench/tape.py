@@ -6,8 +6,9 @@ the token ids of a segment are a deterministic function of its key (``segment_to
 so a tape carries no token ids and anyone can write one by hand. Replaying the same tape
 under different cache policies gives paired comparisons (seed 000 §12.1).
 
-This module imports no vLLM: it is the format plus the workload generator modelled on
-seed 001 (six-agent supervisor framework, four coordination topologies).
+This module imports no vLLM: it is the format plus the generator of the workloads in
+``workloads.py`` (the six-agent supervisor framework in four coordination topologies,
+and the zoo: teams, several apps on one server, heavy tool use, abandoned sessions).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import numpy as np
 
 from agentkv.graph import TransitionLearner
 
-from .topologies import AGENTS, TOPOLOGIES, topology
+from . import workloads
+from .topologies import TOPOLOGIES
+from .workloads import AppSpec, declared_graph, stream_seed
 
 __all__ = [
     "FORMAT",
@@ -91,6 +94,7 @@ class TapeRequest:
     tool_gap: float  # seconds before the session's next request (tool time or hand-off)
     step: int | None = None  # the dispatch step within the session (tool-loop calls share it)
     output: str = ""  # key of the output segment ("" -> f"{id}/out")
+    abandoned: bool = False  # the session's last request, and its app never ends the session
 
     @property
     def output_key(self) -> str:
@@ -117,6 +121,8 @@ class TapeRequest:
             del line["step"]
         if not self.output:
             del line["output"]
+        if self.abandoned:
+            line["abandoned"] = True
         return line
 
 
@@ -166,6 +172,7 @@ class Tape:
             "max_prompt_tokens": max((r.prompt_tokens for r in self.requests), default=0),
             "max_request_tokens": max((r.prompt_tokens + r.output_tokens for r in self.requests), default=0),
             "duration_s": max((r.t for r in self.requests), default=0.0),
+            "abandoned_sessions": sum(1 for r in self.requests if r.abandoned),
         }
 
 
@@ -188,7 +195,25 @@ def _check_header(header: object) -> dict[str, Any]:
         value = tokens.get(name, 1)
         if not isinstance(value, int) or value < (1 if name == "vocab" else 0):
             raise _fail(1, f"tokens.{name} must be a non-negative integer")
+    if "graph" in header:
+        _check_graph(header["graph"])
     return header
+
+
+def _check_graph(graph: object) -> None:
+    """The optional declared graph: {"nodes": [id], "edges": [[from, to]], "entry": [id]}, edges and entry
+    between declared nodes."""
+    def ids(value: object) -> bool:
+        return isinstance(value, list) and all(isinstance(x, str) and x for x in value)
+
+    if not isinstance(graph, dict) or not ids(graph.get("nodes")) or not ids(graph.get("entry", [])):
+        raise _fail(1, "graph must be an object with nodes (and entry) as lists of non-empty strings")
+    edges = graph.get("edges", [])
+    if not isinstance(edges, list) or not all(ids(e) and len(e) == 2 for e in edges):
+        raise _fail(1, "graph.edges must be a list of [from, to] pairs")
+    nodes = set(graph["nodes"])
+    if not {a for e in edges for a in e} | set(graph.get("entry", [])) <= nodes:
+        raise _fail(1, "graph.edges and graph.entry may only name graph.nodes")
 
 
 def _parse_request(obj: object, line: int) -> TapeRequest:
@@ -219,8 +244,11 @@ def _parse_request(obj: object, line: int) -> TapeRequest:
     request_id = obj.get("id", f"r{line - 2}")
     if not isinstance(request_id, str) or not request_id:
         raise _fail(line, "id must be a non-empty string")
+    abandoned = obj.get("abandoned", False)
+    if not isinstance(abandoned, bool):
+        raise _fail(line, "abandoned must be true or false")
     return TapeRequest(request_id, float(obj["t"]), obj["session"], obj["agent"], obj["parent"], tuple(segments),
-                       obj["output_tokens"], float(obj["tool_gap"]), step, output)
+                       obj["output_tokens"], float(obj["tool_gap"]), step, output, abandoned)
 
 
 def read_tape(path: str | Path | TextIO) -> Tape:
@@ -231,6 +259,7 @@ def read_tape(path: str | Path | TextIO) -> Tape:
     header: dict[str, Any] | None = None
     requests: list[TapeRequest] = []
     ids: set[str] = set()
+    ended: dict[str, int] = {}  # session -> line of its request marked abandoned
     last_t = 0.0
     for number, raw in enumerate(path, start=1):
         if not raw.strip():
@@ -247,6 +276,10 @@ def read_tape(path: str | Path | TextIO) -> Tape:
             raise _fail(number, f"t={request.t} goes back in time (previous {last_t}): requests are in arrival order")
         if request.id in ids:
             raise _fail(number, f"duplicate id {request.id!r}")
+        if request.session in ended:
+            raise _fail(ended[request.session], "abandoned marks a request that is not its session's last")
+        if request.abandoned:
+            ended[request.session] = number
         ids.add(request.id)
         last_t = request.t
         requests.append(request)
@@ -284,114 +317,146 @@ class TimeModel:
         return self.overhead + computed_prompt_tokens / self.prefill_tps + output_tokens * self.tpot
 
 
-# Per-agent anchor sizes (tokens after the shared team preamble) and the probability that
-# a call ends with a tool call. Sizes were calibrated once, on generator statistics only,
-# so that anchors make up ~57% of prompt tokens (seed 001 §2.2.1 reports 43-60% a dozen
-# turns into a session; the issue asks for 53-62%).
-DEFAULT_ANCHORS: dict[str, int] = {
-    "supervisor": 1000,
-    "planner": 1150,
-    "researcher": 1500,
-    "coder": 1650,
-    "reviewer": 1100,
-    "writer": 900,
-}
-DEFAULT_TOOL_USE: dict[str, float] = {
-    "supervisor": 0.0,
-    "planner": 0.2,
-    "researcher": 0.8,
-    "coder": 0.7,
-    "reviewer": 0.4,
-    "writer": 0.2,
-}
-
-
 @dataclass(frozen=True)
 class WorkloadConfig:
     """Parameters of a generated tape (recorded in its header).
 
-    A session is a run of ``dispatches`` agent turns along the topology's Markov chain,
-    starting at the supervisor. A turn is one LLM call of the agent: its prompt is the team
-    preamble + the agent's anchor + the session history. The call's output joins the
-    history; with probability ``tool_use[agent]`` the call ends with a tool call, whose
-    result joins the history after a log-normal tool gap; otherwise the next turn follows
-    after ``handoff_gap``. With ``tool_loop`` the agent is called again after its tool
-    returns (same dispatch step; AutoGen's reflection / tool iterations) until a call ends
-    without a tool call or ``max_tool_calls`` is reached; the next agent follows then.
+    ``topology`` names the workload (``workloads.WORKLOADS``: a six-agent topology or a zoo
+    workload) that supplies the apps for the seed; ``apps`` replaces them with any others.
+    A session belongs to one app (drawn by weight) and is a run of dispatches along the
+    app's chain (restricted to the session's teams, if the app has teams), starting at an
+    entry agent. A turn is one LLM call of the agent: its prompt is the agent's shared
+    preambles + its anchor + the session history. The call's output joins the history;
+    with probability ``tool_use`` of the agent the call ends with a tool call, whose result
+    joins the history after the agent's tool gap; otherwise the next turn follows after
+    ``handoff_gap``. With ``tool_loop`` the agent is called again after its tool returns
+    (same dispatch step; AutoGen's reflection / tool iterations) until a call ends without
+    a tool call or ``max_tool_calls`` is reached; the next agent follows then. With
+    probability ``abandon`` a session stops after a uniform fraction ``abandon_after`` of
+    its dispatches (at least one) and its app never ends it: its last request is marked
+    ``abandoned``.
     """
 
     topology: str = "selector"
     sessions: int = 40
     rate: float = 0.05  # session arrivals per second (Poisson); the seed-000 preflight rate (docs)
     seed: int = 0
-    dispatches: tuple[int, int] = (8, 16)  # per session, uniform inclusive
-    team_tokens: int = 64  # preamble shared by every agent of the framework
-    anchors: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_ANCHORS))
-    tool_use: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TOOL_USE))
     tool_loop: bool = False
     max_tool_calls: int = 6  # per turn, with tool_loop
+    abandon: float = 0.0
+    abandon_after: tuple[float, float] = (0.2, 0.7)  # share of the planned dispatches an abandoned session runs
     task_tokens: tuple[int, int] = (100, 300)  # the user's request, uniform inclusive
     output_tokens: tuple[int, int] = (30, 140)  # per call, uniform inclusive
     tool_result_tokens: tuple[int, int] = (40, 220)  # per tool call, uniform inclusive
-    tool_gap_median: float = 2.0  # seconds; log-normal
-    tool_gap_sigma: float = 0.75
-    tool_gap_bounds: tuple[float, float] = (0.2, 20.0)
-    handoff_gap: float = 0.3  # seconds between turns (AutoGen's inter-turn latency, seed 001 §5.1)
+    handoff_gap: float = 0.3  # seconds between turns (AutoGen's inter-turn latency)
     block_size: int = 16
     time_model: TimeModel = field(default_factory=TimeModel)
+    apps: tuple[AppSpec, ...] | None = None  # None: the named workload's apps for the seed
 
     def __post_init__(self) -> None:
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"unknown topology {self.topology!r}; choose from {', '.join(TOPOLOGIES)}")
+        if self.apps is None:
+            workloads.kind(self.topology)  # raises for an unknown name
+        elif not self.apps:
+            raise ValueError("apps must not be empty")
         if self.sessions < 1 or self.rate <= 0:
             raise ValueError("sessions >= 1 and rate > 0 are required")
-        if not 1 <= self.dispatches[0] <= self.dispatches[1]:
-            raise ValueError("dispatches must be (lo, hi) with 1 <= lo <= hi")
-        if set(self.anchors) != set(AGENTS) or set(self.tool_use) != set(AGENTS):
-            raise ValueError(f"anchors and tool_use need exactly the agents {AGENTS}")
-        if not all(0.0 <= p <= 1.0 for p in self.tool_use.values()):
-            raise ValueError("tool_use values are probabilities")
+        if not 0.0 <= self.abandon <= 1.0 or not 0.0 <= self.abandon_after[0] <= self.abandon_after[1] <= 1.0:
+            raise ValueError("abandon is a probability and abandon_after a (lo, hi) share within [0, 1]")
+        if self.max_tool_calls < 1:
+            raise ValueError("max_tool_calls >= 1 is required")
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    @classmethod
+    def named(cls, name: str, *, sessions: int | None = None, rate: float | None = None, seed: int = 0,
+              tool_loop: bool = False) -> WorkloadConfig:
+        """The named workload with its own defaults (sessions, rate, tool loops, abandonment)."""
+        spec = workloads.kind(name)
+        return cls(topology=name, sessions=spec.sessions if sessions is None else sessions,
+                   rate=spec.rate if rate is None else rate, seed=seed, tool_loop=tool_loop or spec.tool_loop,
+                   max_tool_calls=spec.max_tool_calls, abandon=spec.abandon)
+
+    def resolved_apps(self) -> tuple[AppSpec, ...]:
+        return self.apps if self.apps is not None else workloads.kind(self.topology).build(self.seed)
+
+    def to_json(self, apps: tuple[AppSpec, ...]) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "apps"}
+        out["time_model"] = asdict(self.time_model)
+        out["apps"] = [app.describe() for app in apps]
+        return json.loads(json.dumps(out))  # tuples as lists: the header in memory equals the header read back
 
 
 def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
     return int(rng.integers(bounds[0], bounds[1] + 1))
 
 
+class _Session:
+    """The chain one session walks: its app's matrix restricted to the session's teams."""
+
+    def __init__(self, app: AppSpec, rng: np.random.Generator) -> None:
+        self.app = app
+        self.matrix = np.asarray(app.matrix, dtype=float)
+        self.entry = np.asarray(app.entry, dtype=float)
+        if app.teams:
+            count = 1 + int(rng.choice(len(app.teams_per_session), p=np.asarray(app.teams_per_session)))
+            weights = np.asarray(app.team_weights) / sum(app.team_weights)
+            chosen = rng.choice(len(app.teams), size=count, replace=False, p=weights)
+            excluded = {a for i, team in enumerate(app.teams) if i not in set(chosen.tolist()) for a in team}
+            mask = np.array([name not in excluded for name in app.names], dtype=float)
+            self.matrix = self.matrix * mask
+            self.entry = self.entry * mask
+            sums = self.matrix.sum(axis=1, keepdims=True)
+            if self.entry.sum() <= 0 or (sums[mask > 0] <= 0).any():
+                raise ValueError(f"app {app.name!r}: a team choice leaves an agent without successors")
+            self.matrix = np.divide(self.matrix, sums, out=np.zeros_like(self.matrix), where=sums > 0)
+            self.entry = self.entry / self.entry.sum()
+
+    def first(self, rng: np.random.Generator) -> int:
+        return int(rng.choice(len(self.entry), p=self.entry))
+
+    def next(self, rng: np.random.Generator, current: int) -> int:
+        return int(rng.choice(len(self.entry), p=self.matrix[current]))
+
+
 def generate(config: WorkloadConfig) -> Tape:
-    """A tape of ``config.sessions`` sessions; deterministic given the config (incl. seed)."""
-    rng = np.random.default_rng(config.seed)
-    topo = topology(config.topology)
+    """A tape of ``config.sessions`` sessions; deterministic given the config (incl. seed).
+
+    The six-agent topologies draw from ``default_rng(seed)`` exactly as the first generator
+    did (their tapes are unchanged); zoo workloads draw from their own streams.
+    """
+    apps = config.resolved_apps()
+    rng = np.random.default_rng(config.seed if config.topology in TOPOLOGIES and config.apps is None
+                                else stream_seed(config.topology, config.seed, 0))
+    app_weights = np.asarray([app.weight for app in apps]) / sum(app.weight for app in apps)
     timing = config.time_model
     requests: list[tuple[float, int, int, TapeRequest]] = []
     start = 0.0
     width = max(4, len(str(config.sessions - 1)))
     for number in range(config.sessions):
         start += float(rng.exponential(1.0 / config.rate)) if number else 0.0
+        app = apps[int(rng.choice(len(apps), p=app_weights))] if len(apps) > 1 else apps[0]
         session = f"s{number:0{width}d}"
         history: list[tuple[str, int]] = [(f"{session}/task", _uniform(rng, config.task_tokens))]
-        current = int(rng.choice(len(AGENTS), p=topo.entry))
+        walk = _Session(app, rng)
+        current = walk.first(rng)
         parent = ""
         t = start
-        n_dispatches = _uniform(rng, config.dispatches)
+        n_dispatches = _uniform(rng, app.dispatches)
+        abandoned = config.abandon > 0 and bool(rng.random() < config.abandon)
+        if abandoned:
+            n_dispatches = max(1, math.ceil(float(rng.uniform(*config.abandon_after)) * n_dispatches))
         order = 0
         for step in range(n_dispatches):
-            agent = AGENTS[current]
-            anchor = [("anchor/team", config.team_tokens)] if config.team_tokens else []
-            anchor.append((f"{ANCHOR_PREFIX}{agent}", config.anchors[agent]))
+            agent = app.agents[current]
+            anchor = [*agent.shared, (f"{ANCHOR_PREFIX}{agent.name}", agent.anchor_tokens)]
             call = 0
             while True:
                 prompt = tuple(anchor + history)
                 out = _uniform(rng, config.output_tokens)
                 key = f"{session}/{step}.{call}"
                 history.append((f"{key}/out", out))
-                tool = bool(rng.random() < config.tool_use[agent])
+                tool = bool(rng.random() < agent.tool_use)
                 if tool:
                     history.append((f"{key}/tool", _uniform(rng, config.tool_result_tokens)))
-                    gap = float(np.clip(rng.lognormal(math.log(config.tool_gap_median), config.tool_gap_sigma),
-                                        *config.tool_gap_bounds))
+                    gap = agent.tool_gap.draw(rng)
                 again = tool and config.tool_loop and call + 1 < config.max_tool_calls
                 last = not again and step + 1 == n_dispatches
                 if not tool:
@@ -399,16 +464,18 @@ def generate(config: WorkloadConfig) -> Tape:
                 elif last:
                     gap = 0.0  # the session is over: nobody waits for this tool
                 gap = round(gap, 6)  # as written (to_json): a tape in memory equals the tape read back
-                request = TapeRequest(key, round(t, 6), session, agent, parent, prompt, out, gap, step, f"{key}/out")
+                request = TapeRequest(key, round(t, 6), session, agent.name, parent, prompt, out, gap, step,
+                                      f"{key}/out", abandoned and last)
                 requests.append((t, number, order, request))
                 order += 1
                 t += timing.duration(sum(n for _, n in prompt), out) + gap
                 call += 1
                 if not again:
                     break
-            parent = agent
-            current = int(rng.choice(len(AGENTS), p=topo.matrix[current]))
+            parent = agent.name
+            current = walk.next(rng, current)
     requests.sort(key=lambda item: item[:3])
+    spec = workloads.kind(config.topology) if config.apps is None else None
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -417,8 +484,9 @@ def generate(config: WorkloadConfig) -> Tape:
         "tokens": {"function": "blake2b-counter", "vocab": DEFAULT_VOCAB, "offset": DEFAULT_OFFSET},
         "seed": config.seed,
         "generator": "agentkv.bench.tape.generate",
-        "workload": config.to_json(),
-        "target_predictability": topo.target_r,
+        "workload": config.to_json(apps),
+        "graph": declared_graph(apps),
+        "target_predictability": None if spec is None else spec.target_r,
     }
     tape = Tape(header, [r for *_, r in requests])
     tape.header["summary"] = tape.summary()

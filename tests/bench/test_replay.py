@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -9,9 +10,10 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
 from agentkv.bench import replay as replay_module
 from agentkv.bench._defaults import POLICY_NAMES
-from agentkv.bench.policies import POLICIES, AgentKV, ScoredPolicy
+from agentkv.bench.policies import POLICIES, AgentKV, KVFlow, ScoredPolicy
 from agentkv.bench.replay import Replay, TapePlan, candidate_capacities, replay, sweep
-from agentkv.bench.tape import WorkloadConfig, generate, write_tape
+from agentkv.bench.tape import WorkloadConfig, generate, read_tape, write_tape
+from agentkv.bench.workloads import ZOO
 from server_patch._free_queue import ScoredFreeBlockQueue
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -153,3 +155,43 @@ def test_cli_tape_and_replay(tmp_path, capsys):
 def test_capacity_below_the_largest_request_is_refused(selector):
     with pytest.raises(replay_module.CapacityError):
         Replay(selector, POLICIES["lru"](), selector.max_request_blocks)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_tapes_replay_with_their_declared_graph(name):
+    plan = TapePlan(generate(WorkloadConfig.named(name, sessions=4, seed=1)))
+    graph = plan.tape.header["graph"]
+    assert plan.declared_graph() == {a: {b for x, b in graph["edges"] if x == a} for a in graph["nodes"]}
+    assert plan.entry_agents() == graph["entry"]
+    event = plan.graph_event()
+    assert event is not None and event["id"] == f"tape-{name}-s1" and event["nodes"] == graph["nodes"]
+    cap = capacity(plan, 2.0)
+    rates = {policy: replay(plan, policy, cap).hit_rate for policy in ("lru", "agentkv+facts", "kvflow", "belady")}
+    assert all(rates["belady"] >= rate for rate in rates.values()), rates
+    facts = AgentKV(facts=True)
+    Replay(plan, facts, cap).run()  # the graph event was accepted (install asserts it)
+    assert set(facts.runtime.facts.graph.nodes) == set(graph["nodes"])
+    ended = {r.session for r in plan.requests if plan.next_in_session[plan.requests.index(r)] is None
+             and not r.abandoned}
+    assert set(facts.runtime.facts.ended) == ended  # an abandoned session is never ended
+
+
+def test_abandoned_sessions_stay_live_for_kvflow():
+    plan = TapePlan(generate(WorkloadConfig.named("abandoned", sessions=6, seed=0)))
+    abandoned = {r.session for r in plan.requests if r.abandoned}
+    assert abandoned and abandoned != {r.session for r in plan.requests}
+    policy = KVFlow()
+    Replay(plan, policy, capacity(plan, 2.0)).run()
+    assert set(policy.current) == abandoned  # the app never said these sessions ended
+
+
+def test_a_graph_with_ids_off_the_wire_declares_the_rest():
+    lines = [{"format": "agentkv-tape", "version": 1, "block_size": 16, "name": "hand made",
+              "graph": {"nodes": ["a", "b c"], "edges": [["a", "b c"], ["b c", "a"], ["a", "a"]], "entry": ["a"]}},
+             {"t": 0.0, "session": "s", "agent": "a", "parent": "", "segments": [["anchor/a", 40]],
+              "output_tokens": 2, "tool_gap": 0}]
+    plan = TapePlan(read_tape(io.StringIO("\n".join(json.dumps(x) for x in lines))))
+    assert plan.declared_graph() == {"a": {"a", "b c"}, "b c": {"a"}}
+    assert plan.graph_event() == {"type": "graph", "id": "tape-hand-made", "nodes": ["a"], "edges": [["a", "a"]],
+                                  "conditional_edges": [], "entry": ["a"]}
+    assert replay(plan, "agentkv+facts", 8).requests == 1
