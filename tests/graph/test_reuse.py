@@ -175,7 +175,7 @@ def test_gap_distribution_survival_and_residual_time():
     row = np.array([table.row("x")])
     survival, residual = table.at(row, np.array([0.0]))
     assert survival[0] == pytest.approx(1.0)
-    assert residual[0] == pytest.approx(5.5, rel=0.15)
+    assert residual[0] == pytest.approx(1 / ((1 / 1 + 1 / 10) / 2), rel=0.15)  # harmonic mean of the time left
     survival, residual = table.at(row, np.array([3.0]))  # only the 10 s gaps are left
     assert survival[0] == pytest.approx(0.5, abs=0.03)
     assert residual[0] == pytest.approx(7.0, rel=0.15)
