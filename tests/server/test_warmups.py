@@ -32,7 +32,7 @@ def setup(clock: Clock | None = None) -> tuple[AgentKVRuntime, object]:
 
 def history(session: str, blocks: int = 2) -> list[int]:
     start = 500_000 + 10_000 * int(session[1:])
-    return list(range(start, start + blocks * BS)) + [7]
+    return [*range(start, start + blocks * BS), 7]
 
 
 def evict_everything(kv: object, runtime: AgentKVRuntime) -> None:
