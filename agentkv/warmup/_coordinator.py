@@ -7,7 +7,9 @@ normally but never learns from it. Off the critical path: the user's calls never
 
 Design (see docs/frameworks.md, "Warm-up"):
 
-* Hooks: ``on_dispatch_end`` enqueues a job (the moment to warm); ``on_dispatch`` feeds the optional
+* Hooks: the first answer of a dispatch's model call (``_responses``; a stream at its first bytes)
+  enqueues a job: the rest of the dispatch (decoding, its tool step) is the pause before the next
+  agent; ``on_dispatch_end`` enqueues it for dispatches without an observed answer; ``on_dispatch`` feeds the optional
   client-side learner and marks the session's pause as over (a job that is still queued when the
   next agent already started is skipped as ``late``: the real call is computing the prefix anyway);
   ``on_session_end`` drops the session's pending jobs; ``on_request`` captures anchors
@@ -211,6 +213,7 @@ class WarmupCoordinator:
         self._seq: OrderedDict[str, int] = OrderedDict()  # session -> dispatches seen
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._predicted: OrderedDict[str, str] = OrderedDict()  # session -> agent a warm-up bet on
+        self._answered: OrderedDict[str, int] = OrderedDict()  # session -> dispatch whose call answered
         self._pending: dict[str, _Pending] = {}
         self._view: tuple[float, ServerView] | None = None  # (read at, what /metrics said)
         self._server_stats: tuple[float, Mapping[str, Any] | None] | None = None
@@ -290,6 +293,8 @@ class WarmupCoordinator:
     def _on_dispatch_end(self, d: Dispatch) -> None:
         with self._lock:
             seq = None if d.session is None else self._seq.get(d.session, 0)
+            if d.session is not None and self._answered.get(d.session) == seq:
+                return  # this dispatch's job was queued when its model call answered
             self._enqueue(_Job(d.agent, d.session, seq, queued=self.clock()))
 
     def _on_session_end(self, session: str) -> None:
@@ -308,8 +313,17 @@ class WarmupCoordinator:
     def _on_response(self, response: TaggedResponse) -> None:
         if response.tag.warmup or not same_server(response.base_url, self.base_url):
             return
-        agent = response.tag.agent
+        agent, session = response.tag.agent, response.tag.session
         with self._lock:
+            seq = None if session is None else self._seq.get(session)
+            if seq is not None and self._answered.get(session) != seq:
+                # The model answered: the rest of the dispatch (decoding, the tool step) is the
+                # pause before the next agent; a job queued at the dispatch's end would be late.
+                self._answered[session] = seq
+                self._answered.move_to_end(session)
+                if len(self._answered) > _MAX_SESSIONS:
+                    self._answered.popitem(last=False)
+                self._enqueue(_Job(agent, session, seq, queued=self.clock()))
             pending = self._pending.pop(agent, None)
             if pending is None:
                 return

@@ -133,6 +133,23 @@ def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Cloc
     assert stats["anchors"][coder]["stable"] is True
 
 
+def test_warms_in_the_tool_step_once_the_model_answered(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
+) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    with make(fake, clock) as coord:
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        fake.evict_all()
+        with agentkv.agent(planner, session=f"b-{run_id}"):
+            call(client, planner, f"b-{run_id}")
+            assert coord.flush(5)
+            # still inside the planner's dispatch (its tool step): the coder is warm already
+            assert [w.headers["x-agentkv-agent"] for w in fake.warmups()] == [coder]
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["sent"] == 1 and "late" not in stats["skipped"]  # the dispatch's end queued no second job
+
+
 def test_agent_routing_key_sends_calls_and_warmups_by_agent(
     fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
 ) -> None:
