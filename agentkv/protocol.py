@@ -335,8 +335,17 @@ STATS_SCHEMA: Final[dict[str, Any]] = {
                     "anchor_blocks": _COUNT,
                     "history_blocks": _COUNT,
                     "survival": _PROB,
+                    "anchor_length_blocks": _COUNT,
+                    "anchor_resident_blocks": _COUNT,
                 },
             },
+        },
+        "kv_free_blocks": {"type": ["integer", "null"], "minimum": 0},
+        "warmups": {
+            "type": "object",
+            "required": ["sent", "useful", "wasted", "redundant", "pending"],
+            "properties": {"sent": _COUNT, "useful": _COUNT, "wasted": _COUNT, "redundant": _COUNT,
+                           "pending": _COUNT, "wasted_by": {"type": "object", "additionalProperties": _COUNT}},
         },
         "transitions": {"type": "object"},
         "evictions": {

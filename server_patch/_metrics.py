@@ -38,6 +38,7 @@ class _StatsCollector(Collector):
             blocks.add_metric([agent, "history"], row.get("history_blocks", 0))
         yield survival
         yield blocks
+        yield from _anchor_and_warmup_families(stats)
         evictions = CounterMetricFamily("agentkv_evictions", "Evicted cached blocks by class", labels=["class"])
         for kind, count in stats.get("evictions", {}).items():
             evictions.add_metric([kind], count)
@@ -61,6 +62,30 @@ class _StatsCollector(Collector):
                                 value=stats.get("learner", {}).get("bytes", 0))
         yield GaugeMetricFamily("agentkv_strict_metadata", "1 when malformed tags are refused with 400",
                                 value=1.0 if self._strict else 0.0)
+
+
+def _anchor_and_warmup_families(stats: dict[str, Any]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """Anchor residency (what a warm-up coordinator polls) and the server-side warm-up outcomes."""
+    length = GaugeMetricFamily("agentkv_anchor_length_blocks", "Learned anchor length in blocks, by agent",
+                               labels=["agent"])
+    resident = GaugeMetricFamily("agentkv_anchor_resident_blocks",
+                                 "Leading blocks of the agent's anchor cached now", labels=["agent"])
+    for agent, row in stats.get("agents", {}).items():
+        length.add_metric([agent], row.get("anchor_length_blocks", 0))
+        resident.add_metric([agent], row.get("anchor_resident_blocks", 0))
+    yield length
+    yield resident
+    free = stats.get("kv_free_blocks")
+    if free is not None:
+        yield GaugeMetricFamily("agentkv_kv_free_blocks", "KV blocks free or evictable", value=free)
+    warmups = stats.get("warmups", {})
+    outcomes = CounterMetricFamily("agentkv_warmups", "Warm-up requests by outcome (sent = useful + wasted + "
+                                   "redundant + pending)", labels=["outcome"])
+    for outcome in ("sent", "useful", "wasted", "redundant"):
+        outcomes.add_metric([outcome], warmups.get(outcome, 0))
+    yield outcomes
+    yield GaugeMetricFamily("agentkv_warmups_pending", "Warm-ups waiting for their agent's next request",
+                            value=warmups.get("pending", 0))
 
 
 def render_metrics(stats: dict[str, Any], strict: bool) -> bytes:

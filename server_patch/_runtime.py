@@ -15,8 +15,9 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import (
@@ -41,6 +42,7 @@ from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, Proto
 from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
 from ._recognize import Recognizer
 from ._tracker import AnchorLengths, BlockTracker
+from ._warmups import WarmupLedger
 
 __all__ = ["AgentKVRuntime", "RuntimeConfig"]
 
@@ -117,6 +119,8 @@ class AgentKVRuntime:
         self.timing = SessionTiming()
         self.tracker = BlockTracker()
         self.anchors = AnchorLengths()
+        self.warmups = WarmupLedger(clock)
+        self.pool: BlockPool | None = None
         self.malformed = MalformedCounter(logger)
         self.lock = threading.RLock()
         self.queues: list[ScoredFreeBlockQueue[Hashable]] = []
@@ -139,7 +143,7 @@ class AgentKVRuntime:
 
     def install(self, manager: KVCacheManager) -> None:
         """Swap in the scored free queue and observe caching and hits (no vLLM code changes)."""
-        pool = manager.block_pool
+        pool = self.pool = manager.block_pool
         self.block_size = pool.hash_block_size
         if self.config.enabled:  # disabled: vLLM's own queue stays, so eviction is exactly LRU
             queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
@@ -181,6 +185,8 @@ class AgentKVRuntime:
             if tag is not None and not tag.warmup and manager.prefix_cache_lookup_enabled(request):
                 self.queries[tag.agent] += request.num_tokens
                 self.hits[tag.agent] += num_hits
+            if tag is not None:
+                self._note_warmup(request, tag, num_hits)
 
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
@@ -327,6 +333,36 @@ class AgentKVRuntime:
 
     def _on_evict(self, block: KVCacheBlock) -> None:
         self.tracker.evicted(block.block_id, self.facts.is_ended)
+        if block.block_hash is not None:
+            self.warmups.evicted(get_block_hash(block.block_hash))
+
+    # -- warm-ups and anchor residency -------------------------------------------------
+
+    def _note_warmup(self, request: Request, tag: AgentTag, num_hits: int) -> None:
+        """Feed the warm-up ledger with an admitted request (a warm-up, or an agent's real call)."""
+        size = self.block_size or 1
+        if tag.warmup:
+            full = request.num_tokens // size
+            self.warmups.warmed(tag.agent, request.block_hashes[:full], num_hits // size,
+                                min(full, (request.num_tokens - 1) // size))
+        else:
+            self.warmups.used(tag.agent, request.block_hashes, num_hits // size)
+
+    def anchor_residency(self, agent: str) -> tuple[int, int]:
+        """(leading blocks of ``agent``'s learned anchor cached now, learned anchor length in blocks).
+
+        A prefix hit stops at the first missing block, so only the cached *leading* blocks count.
+        """
+        hashes = self.anchors.anchor_hashes(agent)
+        pool = self.pool
+        if pool is None:
+            return 0, len(hashes)
+        resident = 0
+        for block_hash in hashes:
+            if pool.get_cached_block(block_hash, [0]) is None:  # type: ignore[arg-type]
+                break
+            resident += 1
+        return resident, len(hashes)
 
     # -- control channel -----------------------------------------------------------
 
@@ -404,9 +440,12 @@ class AgentKVRuntime:
                     "history_blocks": blocks.get(agent, Counter())["history"],
                     "survival": table.survival(agent) if table is not None else 1.0,
                     "anchor_length_blocks": self.anchors.length(agent),
+                    "anchor_resident_blocks": self.anchor_residency(agent)[0],
                 }
                 for agent in agents
             },
+            "kv_free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
+            "warmups": self.warmups.stats(),
             "transitions": transitions,
             "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},
             "learner": {

@@ -135,5 +135,10 @@ class AnchorLengths:
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)
 
+    def anchor_hashes(self, agent: str) -> Sequence[object]:
+        """The block hashes of ``agent``'s anchor (its latest session's first ``length`` blocks)."""
+        last = self._last.get(agent)
+        return () if last is None else last[1][: self.length(agent)]
+
     def as_dict(self) -> dict[str, int]:
         return dict(self._length)

@@ -31,6 +31,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import TransitionLearner
+from agentkv.warmup._decision import JobState, TargetState, TokenBucket, WarmupPolicy
 from server_patch._free_queue import ScoredFreeBlockQueue
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -284,35 +285,32 @@ class AgentKV(Policy):
     ``facts``: the app also declares the topology graph (one ``graph`` event) and sends
     ``session_end`` when a session's last request finishes. ``warmup``: in the pause after
     each turn, a warm-up request holding only the predicted next agent's anchor
-    (max_tokens=1, tagged warmup, no session), gated as ``agentkv.warmup.WarmupCoordinator``
-    does by default: a prediction whose transition was observed, learned R >= ``r_min``
-    (0.3), the target's anchor not used or warmed in the last ``fresh_seconds`` (5 s), no
-    request waiting (``max_waiting=0``), a token bucket of ``max_per_second`` (2/s, burst 2);
-    and the blocks must fit without waiting.
+    (max_tokens=1, tagged warmup, no session), decided by the coordinator's own
+    ``agentkv.warmup.WarmupPolicy`` (``warmup_policy``, default as the coordinator's) on the
+    runtime's prediction, the runtime's anchor residency, the engine's waiting requests and
+    free blocks, and a token bucket of ``max_per_second`` (2/s, burst 2); ``no_room`` also
+    when the blocks do not fit without waiting.
     """
 
     name = "agentkv"
 
     def __init__(self, config: RuntimeConfig | None = None, *, facts: bool = False, warmup: bool = False,
-                 tagged: bool = True,
-                 r_min: float = 0.3, fresh_seconds: float = 5.0, max_per_second: float = 2.0,
+                 tagged: bool = True, warmup_policy: WarmupPolicy | None = None, max_per_second: float = 2.0,
                  burst: float = 2.0) -> None:
         self.config = config or RuntimeConfig()
         self.tagged = tagged  # False: requests carry neither tags nor session ids (recognition's input)
         self.facts = facts
         self.warmup = warmup
-        self.r_min = r_min
-        self.fresh_seconds = fresh_seconds
+        self.warmup_policy = warmup_policy or WarmupPolicy()
         self.max_per_second = max_per_second
         self.burst = burst
-        self._tokens = burst
-        self._bucket_at = 0.0
-        self._touched: dict[str, float] = {}
+        self.fallbacks: Counter[str] = Counter()
         self.anchors: dict[str, tuple[tuple[str, int], ...]] = {}
         self.warmups: Counter[str] = Counter()
         self.confusion: dict[str, Counter[str]] = {}  # untagged: true agent -> recognized agent ("-": none)
 
     def install(self, sim: Replay) -> None:
+        self.bucket = TokenBucket(self.max_per_second, self.burst, sim.clock)
         self.runtime = AgentKVRuntime(self.config, clock=sim.clock)
         self.runtime.install(sim.kv)
         if self.facts:
@@ -327,7 +325,6 @@ class AgentKV(Policy):
             tag = self.runtime.tag_of(request)
             self.confusion.setdefault(record.agent, Counter())["-" if tag is None else tag.agent] += 1
         self.anchors[record.agent] = sim.plan.anchor_segments(record)
-        self._touched[record.agent] = sim.now
 
     def before_schedule(self, sim: Replay) -> None:
         self.runtime.refresh()
@@ -337,27 +334,31 @@ class AgentKV(Policy):
             self.warmups[self._warm(sim, record.agent)] += 1
 
     def _warm(self, sim: Replay, agent: str) -> str:
+        """Decide with the coordinator's policy right after ``agent``'s turn (never late: the
+        session's next request has not arrived yet) and issue the warm-up; the reason."""
         learner = self.runtime.learner
         prediction = self.runtime.predictor.predict(agent)
-        if prediction is None or not _observed(learner, agent, prediction.agent):
-            return "no_prediction"
-        if learner.predictability() < self.r_min:
-            return "predictability"
-        target = prediction.agent
-        if not self.anchors.get(target):
-            return "no_anchor"
-        if sim.now - self._touched.get(target, -math.inf) < self.fresh_seconds:
-            return "fresh"
-        if sim.waiting():
-            return "busy"
-        self._tokens = min(self.burst, self._tokens + (sim.now - self._bucket_at) * self.max_per_second)
-        self._bucket_at = sim.now
-        if self._tokens < 1.0:
-            return "rate_limit"
-        self._tokens -= 1.0
-        if not sim.warmup(target, self.anchors[target], self.runtime.on_add_request):
+        if prediction is None:
+            job = JobState(None)
+        else:
+            job = JobState(prediction.agent, prediction.probability, _observed(learner, agent, prediction.agent),
+                           learner.predictability())
+
+        def target() -> TargetState:
+            assert prediction is not None
+            segments = self.anchors.get(prediction.agent, ())
+            resident, length = self.runtime.anchor_residency(prediction.agent)
+            return TargetState(sum(n for _, n in segments) // sim.plan.block_size,
+                               None if length == 0 else resident >= length, float(sim.waiting()), None,
+                               sim.pool.get_num_free_blocks())
+
+        decision = self.warmup_policy.decide(job, target, self.bucket.take)
+        self.fallbacks.update(decision.fallbacks)
+        if not decision.warm:
+            return decision.reason
+        assert prediction is not None
+        if not sim.warmup(prediction.agent, self.anchors[prediction.agent], self.runtime.on_add_request):
             return "no_room"
-        self._touched[target] = sim.now
         return "issued"
 
     def on_session_end(self, sim: Replay, session: str) -> None:
@@ -375,6 +376,8 @@ class AgentKV(Policy):
         }
         if self.warmup:
             out["warmups"] = dict(sorted(self.warmups.items()))
+            out["warmup_fallbacks"] = dict(sorted(self.fallbacks.items()))
+            out["warmup_outcomes"] = stats["warmups"]
         if not self.tagged:
             out["recognition"] = stats["recognition"]
             out["confusion"] = {a: dict(c.most_common()) for a, c in sorted(self.confusion.items())}

@@ -115,6 +115,7 @@ def markdown(report: dict[str, Any]) -> str:
                              f"{r['computed_tokens']:,} | "
                              f"{r['warmup_tokens']:,} | {r['evictions']:,} ({ev['anchor']:,} / {ev['history']:,}) | "
                              f"{r['mean_wait_s']:.2f} |")
+    lines += _warmup_lines(report, cells)
     rows = report.get("targets") or []
     if rows:
         lines += ["",
@@ -138,6 +139,28 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{closed} | "
                          f"{row['spread']:.1f} ({row['lru_spread']:.1f}) | {text} | {met} | {tail} |")
     return "\n".join(lines) + "\n"
+
+
+def _warmup_lines(report: dict[str, Any], cells: dict[tuple[str, int, str], dict[str, Any]]) -> list[str]:
+    """Per tape and capacity: what the warm-up policy decided and what the server saw become of it."""
+    rows = [(tape, c, cells[tape["name"], c, "agentkv+warmup"]["policy_stats"]) for tape in report["tapes"]
+            for c in tape["candidates"] if (tape["name"], c, "agentkv+warmup") in cells]
+    rows = [(tape, c, stats) for tape, c, stats in rows if "warmup_outcomes" in stats]
+    if not rows:
+        return []
+    lines = ["", "### Warm-ups of agentkv+warmup (decisions; outcomes counted by the server runtime)", "",
+             "| tape | capacity | sent | useful | wasted (evicted / expired / missed) | redundant | useful share "
+             "| skipped by reason |", "|---|---:|---:|---:|---|---:|---:|---|"]
+    for tape, c, stats in rows:
+        o, waste = stats["warmup_outcomes"], stats["warmup_outcomes"]["wasted_by"]
+        settled = o["useful"] + o["wasted"] + o["redundant"]
+        share = f"{100 * o['useful'] / settled:.0f}%" if settled else "-"
+        skipped = ", ".join(f"{k} {n}" for k, n in stats["warmups"].items() if k != "issued") or "-"
+        mark = "" if c in tape["kept"] else " (dropped)"
+        wasted = f"{o['wasted']} ({waste['evicted']} / {waste['expired']} / {waste['missed']})"
+        lines.append(f"| {tape['name']} | {c}{mark} | {o['sent']} | {o['useful']} | {wasted} | {o['redundant']} | "
+                     f"{share} | {skipped} |")
+    return lines
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:

@@ -256,6 +256,21 @@ async def _counters(client: httpx.AsyncClient, engines: Sequence[str]) -> list[t
     return counters
 
 
+async def _server_warmups(client: httpx.AsyncClient, engines: Sequence[str]) -> collections.Counter[str]:
+    """The warm-up outcomes the agentkv engines counted (``warmups`` of their stats), summed; none
+    from an engine without agentkv or whose stats cannot be read."""
+    from agentkv.protocol import STATS_PATH
+
+    total: collections.Counter[str] = collections.Counter()
+    for root in engines:
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+            response = await client.get(root + STATS_PATH)
+            response.raise_for_status()
+            outcomes = response.json().get("warmups") or {}
+            total.update({k: int(outcomes.get(k, 0)) for k in ("sent", "useful", "wasted", "redundant")})
+    return total
+
+
 # ---------------------------------------------------------------------------------------------
 # One rate on one server
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +362,7 @@ class RateRun:
     load: tuple[float, float]  # 1-minute load average before and after
     setup: str = "single"
     engine_queries: tuple[float, ...] = ()
-    warmups: dict[str, int] | None = None  # the coordinator's sent/failed/skipped counts
+    warmups: dict[str, int] | None = None  # the coordinator's counts; server_*: the engines' warm-up outcomes
     confusion: dict[str, dict[str, int]] | None = None  # untagged: true agent -> recognized agent -> calls
 
     def row(self) -> dict[str, Any]:
@@ -451,6 +466,7 @@ async def run_rate(
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
         seen = {r[0] for r in await _recognized(client, target.engines)} if recognize else set()
         before = await _counters(client, target.engines)
+        warmed_before = await _server_warmups(client, target.engines) if target.warmup else None
         previous_key = set_routing_key(target.routing_key)
         warmup = WarmupCoordinator(target.url).start() if target.warmup else None
         t0 = time.perf_counter()
@@ -467,13 +483,16 @@ async def run_rate(
         if recognize:
             fresh = [r for r in await _recognized(client, target.engines) if r[0] not in seen]
             confusion = confusion_table(timer.records, fresh)
+        warmed = None if warmed_before is None else await _server_warmups(client, target.engines) - warmed_before
     hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
     queries = tuple(a[1] - b[1] for a, b in zip(after, before, strict=True))
     warmups = None
     if warmup is not None:
         stats = warmup.stats()
         warmups = {k: stats[k] for k in ("sent", "failed", "dropped")} | {
-            f"skipped_{reason}": n for reason, n in stats["skipped"].items()}
+            f"skipped_{reason}": n for reason, n in stats["skipped"].items()} | {
+            f"fallback_{name}": n for name, n in stats["fallbacks"].items()} | {
+            f"server_{outcome}": n for outcome, n in (warmed or {}).items()}
     return RateRun(target.server, rate, sessions, team.turns, timer.records, wall, sum(hits), sum(queries),
                    failures, (load0, _load()), target.setup, queries, warmups, confusion)
 

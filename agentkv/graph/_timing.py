@@ -51,7 +51,8 @@ class GapTable:
     """Read-only per-agent view of the learned gap distributions, evaluated at bin edges.
 
     ``survival[i, b]`` = P(gap > edge b) for agents[i]; ``residual[i, b]`` = the harmonic mean of
-    gap - edge b given gap > edge b; ``mean_gap`` the median gap over all agents. Row ``len(agents)`` is the global distribution (agents never seen).
+    gap - edge b given gap > edge b; ``mean_gap`` the median gap over all agents. Row
+    ``len(agents)`` is the global distribution (agents never seen).
     """
 
     agents: tuple[str, ...]

@@ -11,16 +11,21 @@ that agent's *anchor* (the exact prefix its calls share, captured from its real 
 """
 
 from ._anchors import Anchor, AnchorBook, Divergence, common_prefix
-from ._coordinator import TokenBucket, WarmupCoordinator
+from ._coordinator import WarmupCoordinator
+from ._decision import JobState, TargetState, TokenBucket, WarmupDecision, WarmupPolicy
 from ._responses import TaggedResponse, on_response
 
 __all__ = [
     "Anchor",
     "AnchorBook",
     "Divergence",
+    "JobState",
     "TaggedResponse",
+    "TargetState",
     "TokenBucket",
     "WarmupCoordinator",
+    "WarmupDecision",
+    "WarmupPolicy",
     "common_prefix",
     "on_response",
 ]

@@ -7,7 +7,9 @@ normally but never learns from it. Off the critical path: the user's calls never
 
 Design (see docs/frameworks.md, "Warm-up"):
 
-* Hooks: ``on_dispatch_end`` enqueues a job (the moment to warm); ``on_dispatch`` feeds the optional
+* Hooks: the first answer of a dispatch's model call (``_responses``; a stream at its first bytes)
+  enqueues a job: the rest of the dispatch (decoding, its tool step) is the pause before the next
+  agent; ``on_dispatch_end`` enqueues it for dispatches without an observed answer; ``on_dispatch`` feeds the optional
   client-side learner and marks the session's pause as over (a job that is still queued when the
   next agent already started is skipped as ``late``: the real call is computing the prefix anyway);
   ``on_session_end`` drops the session's pending jobs; ``on_request`` captures anchors
@@ -16,12 +18,14 @@ Design (see docs/frameworks.md, "Warm-up"):
 * One daemon worker thread and a bounded queue (the oldest job is dropped and counted when full).
   Every network call has an httpx timeout; every error is counted by kind and logged once. Nothing
   raises into, blocks or slows the application's calls.
-* Gates, in order, each counted in ``skipped`` when it stops a job: ``session_ended``, ``late``,
-  ``no_prediction``, ``predictability`` (R < r_min), ``fresh`` (the predicted agent's anchor was
-  warmed or used less than ``fresh_seconds`` ago), ``no_anchor``, ``busy`` (the server's
-  ``vllm:num_requests_waiting`` above ``max_waiting``, or running + waiting above ``max_load``;
-  ``/metrics`` is read at most every ``metrics_interval`` seconds), ``rate_limit`` (token bucket of
-  ``max_per_second``, ``burst``; only jobs that passed every other gate spend a token).
+* The decision is :class:`~agentkv.warmup.WarmupPolicy` (``_decision``), the same pure function the
+  replay's ``agentkv+warmup`` runs; each gate that stops a job is counted in ``skipped``. Its inputs
+  come from the server's ``/metrics``, read at most every ``metrics_interval`` seconds: requests
+  running and waiting (``vllm:num_requests_*``), free KV blocks (``agentkv_kv_free_blocks``) and
+  whether the predicted agent's anchor is resident (``agentkv_anchor_resident_blocks`` >=
+  ``agentkv_anchor_length_blocks``). What a server cannot tell (vanilla vLLM, an agent whose anchor
+  it has not learned yet, metrics that fail) does not block a warm-up and is counted in
+  ``fallbacks``.
 * The warm-up replays the anchor's exact token ids as ``POST /v1/completions`` ``prompt: [ids]``
   (``max_tokens: 1``) with ``AgentTag(agent, warmup=True).to_headers()``; without a ``/tokenize``
   endpoint it replays ``messages[0]`` + tools as a chat request. The tag carries no session: the
@@ -35,6 +39,7 @@ Design (see docs/frameworks.md, "Warm-up"):
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -45,11 +50,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agentkv.frameworks._context import Dispatch, ErrorCounter, TaggedRequest, learner_listener, routing_header
+from agentkv.frameworks._context import Dispatch, ErrorCounter, learner_listener, routing_header
 from agentkv.protocol import STATS_PATH, AgentTag
 
 from . import _responses
 from ._anchors import DEFAULT_BLOCK_SIZE, Anchor, AnchorBook, same_server
+from ._decision import JobState, TargetState, TokenBucket, WarmupPolicy
 from ._responses import TaggedResponse, usage_of
 
 __all__ = ["TokenBucket", "WarmupCoordinator"]
@@ -58,26 +64,6 @@ logger = logging.getLogger("agentkv.warmup")
 
 _MAX_SESSIONS: Final = 65_536
 _RECENT: Final = 32
-
-
-class TokenBucket:
-    """``rate`` tokens per second, at most ``capacity`` saved up; ``take()`` spends one if available."""
-
-    def __init__(self, rate: float, capacity: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate = max(0.0, float(rate))
-        self.capacity = max(1.0, float(capacity))
-        self.clock = clock
-        self._tokens = self.capacity
-        self._at = clock()
-
-    def take(self) -> bool:
-        now = self.clock()
-        self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,18 +90,55 @@ def _server_root(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-def _parse_queue(text: str) -> tuple[float, float] | None:
-    """(running, waiting) summed over engines from vLLM's Prometheus text; None if absent."""
-    running = waiting = 0.0
-    seen = False
+@dataclass(slots=True)
+class ServerView:
+    """What one ``GET /metrics`` tells about the engine (None: the server did not say).
+
+    ``anchors``: agent -> (leading anchor blocks resident, learned anchor length in blocks).
+    """
+
+    running: float | None = None
+    waiting: float | None = None
+    free_blocks: int | None = None
+    anchors: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def resident(self, agent: str) -> bool | None:
+        resident, length = self.anchors.get(agent, (0, 0))
+        return None if length <= 0 else resident >= length
+
+
+_SAMPLE: Final = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
+_AGENT_LABEL: Final = re.compile(r'agent="((?:[^"\\]|\\.)*)"')
+
+
+def parse_server_view(text: str) -> ServerView:
+    """The engine's queue (summed over engines), free blocks and anchor residency from Prometheus text."""
+    view = ServerView()
+    resident: dict[str, int] = {}
+    length: dict[str, int] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:num_requests_running{") or line.startswith("vllm:num_requests_running "):
-            running += float(line.rsplit(" ", 1)[1])
-            seen = True
-        elif line.startswith("vllm:num_requests_waiting{") or line.startswith("vllm:num_requests_waiting "):
-            waiting += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return (running, waiting) if seen else None
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, raw = match.groups()
+        if name == "vllm:num_requests_running":
+            view.running = (view.running or 0.0) + float(raw)
+        elif name == "vllm:num_requests_waiting":
+            view.waiting = (view.waiting or 0.0) + float(raw)
+        elif name == "agentkv_kv_free_blocks":
+            view.free_blocks = int(float(raw))
+        elif name in ("agentkv_anchor_resident_blocks", "agentkv_anchor_length_blocks"):
+            agent = _AGENT_LABEL.search(labels or "")
+            if agent is not None:
+                table = resident if name == "agentkv_anchor_resident_blocks" else length
+                table[_unescape(agent.group(1))] = int(float(raw))
+    view.anchors = {a: (resident.get(a, 0), n) for a, n in length.items()}
+    return view
+
+
+def _unescape(label: str) -> str:
+    """A Prometheus label value as written: ``\\\\``, ``\\"`` and ``\\n`` are escapes."""
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), label)
 
 
 class WarmupCoordinator:
@@ -127,6 +150,8 @@ class WarmupCoordinator:
     unless ``feed_learner=False``, e.g. when ``instrument(learner=...)`` already feeds it); without
     one, the server's learned ``transitions`` and ``predictability`` (``GET /agentkv/v1/stats``, read
     at most every ``stats_interval`` s) are used. ``block_size``: default the server's (stats), else 32.
+    ``r_min``, ``min_probability``, ``max_waiting``, ``max_load``, ``min_free_blocks``: the thresholds
+    of :class:`~agentkv.warmup.WarmupPolicy`; ``max_per_second`` and ``burst``: its rate limiter.
     ``transport``: an httpx transport (tests). Use as a context manager or call ``start``/``close``.
     """
 
@@ -138,13 +163,14 @@ class WarmupCoordinator:
         learner: Any = None,
         feed_learner: bool = True,
         r_min: float = 0.3,
+        min_probability: float = 0.0,
         max_per_second: float = 2.0,
         burst: float | None = None,
         max_waiting: int | None = 0,
         max_load: int | None = None,
+        min_free_blocks: int = 0,
         metrics_interval: float = 0.5,
         stats_interval: float = 2.0,
-        fresh_seconds: float = 5.0,
         useful_window: float = 120.0,
         queue_size: int = 8,
         timeout: float = 10.0,
@@ -155,12 +181,10 @@ class WarmupCoordinator:
     ) -> None:
         self.base_url = _server_root(base_url)
         self.model = model
-        self.r_min = r_min
-        self.max_waiting = max_waiting
-        self.max_load = max_load
+        self.policy = WarmupPolicy(r_min=r_min, min_probability=min_probability, max_waiting=max_waiting,
+                                   max_load=max_load, min_free_blocks=min_free_blocks)
         self.metrics_interval = metrics_interval
         self.stats_interval = stats_interval
-        self.fresh_seconds = fresh_seconds
         self.useful_window = useful_window
         self.timeout = timeout
         self.clock = clock
@@ -189,20 +213,21 @@ class WarmupCoordinator:
         self._seq: OrderedDict[str, int] = OrderedDict()  # session -> dispatches seen
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._predicted: OrderedDict[str, str] = OrderedDict()  # session -> agent a warm-up bet on
-        self._touched: dict[str, float] = {}  # agent -> last warm-up or real request
+        self._answered: OrderedDict[str, int] = OrderedDict()  # session -> dispatch whose call answered
         self._pending: dict[str, _Pending] = {}
-        self._load: tuple[float, tuple[float, float] | None] | None = None  # (read at, (running, waiting))
+        self._view: tuple[float, ServerView] | None = None  # (read at, what /metrics said)
         self._server_stats: tuple[float, Mapping[str, Any] | None] | None = None
         self._chat_mode = False
         self.counts: Counter[str] = Counter()
         self.skipped: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> WarmupCoordinator:
         """Subscribe to the hooks and start the worker thread (idempotent)."""
-        from agentkv.frameworks import install, on_dispatch, on_dispatch_end, on_request, on_session_end
+        from agentkv.frameworks import install, on_dispatch, on_dispatch_end, on_session_end
 
         with self._lock:
             if self._thread is not None or self._closed:
@@ -211,7 +236,6 @@ class WarmupCoordinator:
         install()
         self.anchors.attach()
         self._unsubscribe = [
-            on_request(self._on_request),
             on_dispatch(self._on_dispatch),
             on_dispatch_end(self._on_dispatch_end),
             on_session_end(self._on_session_end),
@@ -247,12 +271,6 @@ class WarmupCoordinator:
 
     # -- hooks (run on the application's threads: only cheap bookkeeping) ---------------
 
-    def _on_request(self, request: TaggedRequest) -> None:
-        if request.tag.warmup or not same_server(request.base_url, self.base_url):
-            return
-        with self._lock:
-            self._touched[request.tag.agent] = self.clock()
-
     def _on_dispatch(self, d: Dispatch) -> None:
         if self._feed:
             try:
@@ -275,6 +293,8 @@ class WarmupCoordinator:
     def _on_dispatch_end(self, d: Dispatch) -> None:
         with self._lock:
             seq = None if d.session is None else self._seq.get(d.session, 0)
+            if d.session is not None and self._answered.get(d.session) == seq:
+                return  # this dispatch's job was queued when its model call answered
             self._enqueue(_Job(d.agent, d.session, seq, queued=self.clock()))
 
     def _on_session_end(self, session: str) -> None:
@@ -293,9 +313,17 @@ class WarmupCoordinator:
     def _on_response(self, response: TaggedResponse) -> None:
         if response.tag.warmup or not same_server(response.base_url, self.base_url):
             return
-        agent = response.tag.agent
+        agent, session = response.tag.agent, response.tag.session
         with self._lock:
-            self._touched[agent] = self.clock()
+            seq = None if session is None else self._seq.get(session)
+            if seq is not None and self._answered.get(session) != seq:
+                # The model answered: the rest of the dispatch (decoding, the tool step) is the
+                # pause before the next agent; a job queued at the dispatch's end would be late.
+                self._answered[session] = seq
+                self._answered.move_to_end(session)
+                if len(self._answered) > _MAX_SESSIONS:
+                    self._answered.popitem(last=False)
+                self._enqueue(_Job(agent, session, seq, queued=self.clock()))
             pending = self._pending.pop(agent, None)
             if pending is None:
                 return
@@ -364,63 +392,58 @@ class WarmupCoordinator:
 
     def _handle(self, job: _Job) -> None:
         with self._lock:
-            if job.session is not None and job.session in self._ended:
-                reason = "session_ended"
-            elif job.session is not None and self._seq.get(job.session, 0) != job.seq:
-                reason = "late"
-            else:
-                reason = None
-        if reason is not None:
-            self._skip(reason)
-            return
-        if job.manual:
-            target = job.agent
+            ended = job.session is not None and job.session in self._ended
+            late = job.session is not None and self._seq.get(job.session, 0) != job.seq
+        if job.manual or ended or late:
+            target: str | None = job.agent if job.manual else None
+            state = JobState(target, session_ended=ended, late=late, manual=job.manual)
         else:
             prediction = self._predict(job.agent)
-            if prediction is None:
-                self._skip("no_prediction")
-                return
-            target, r = prediction
-            if r < self.r_min:
-                self._skip("predictability")
-                return
-        now = self.clock()
+            target = None if prediction is None else prediction[0]
+            state = JobState(None) if prediction is None else JobState(*prediction)
+        anchor: Anchor | None = None
+
+        def target_state() -> TargetState:
+            nonlocal anchor
+            assert target is not None
+            self._ensure_block_size()
+            anchor = self._anchor(target)
+            view = self._server_view()
+            return TargetState(_blocks_to_warm(anchor, view, target), view.resident(target), view.waiting,
+                               view.running, view.free_blocks)
+
+        decision = self.policy.decide(state, target_state, self._take)
         with self._lock:
-            touched = self._touched.get(target)
-        if touched is not None and now - touched < self.fresh_seconds:
-            self._skip("fresh")
-            return
-        self._ensure_block_size()
-        anchor = self._anchor(target)
-        if anchor is None:
-            self._skip("no_anchor")
-            return
-        if self._busy():
-            self._skip("busy")
-            return
-        with self._lock:
-            allowed = self._bucket.take()
-        if not allowed:
-            self._skip("rate_limit")
+            self.fallbacks.update(decision.fallbacks)
+        if not decision.warm:
+            self._skip(decision.reason)
             return
         with self._lock:  # the pause may have ended while we were deciding
             late = job.session is not None and (job.session in self._ended or self._seq.get(job.session, 0) != job.seq)
         if late:
             self._skip("late")
             return
+        assert target is not None and anchor is not None
         self._send(target, anchor, job)
+
+    def _take(self) -> bool:
+        with self._lock:
+            return self._bucket.take()
 
     # -- prediction --------------------------------------------------------------------
 
-    def _predict(self, agent: str) -> tuple[str, float] | None:
-        """(next agent, predictability R) or None."""
+    def _predict(self, agent: str) -> tuple[str, float, bool, float] | None:
+        """(next agent, its probability, whether that transition was observed, predictability R) or None."""
         if self._predictor is not None:
             try:
                 with self._learner_lock:
                     prediction = self._predictor.predict(agent)
-                    if prediction is None or not _observed(self._learner, agent, prediction.agent):
-                        return None  # a smoothed row without any observed successor predicts nothing
-                    return prediction.agent, float(self._learner.predictability())
+                    if prediction is None:
+                        return None
+                    # a smoothed row without any observed successor predicts nothing
+                    observed = _observed(self._learner, agent, prediction.agent)
+                    return (prediction.agent, float(prediction.probability), observed,
+                            float(self._learner.predictability()))
             except Exception as exc:
                 self.errors.record("client-side prediction", exc)
                 return None
@@ -433,7 +456,7 @@ class WarmupCoordinator:
         ranked = sorted(((float(p), str(a)) for a, p in row.items()), reverse=True)
         if len(ranked) > 1 and ranked[0][0] <= ranked[1][0]:
             return None  # a tie (e.g. the uniform row of an agent never followed): no information
-        return ranked[0][1], float(stats.get("predictability") or 0.0)
+        return ranked[0][1], ranked[0][0], True, float(stats.get("predictability") or 0.0)
 
     def _stats(self) -> Mapping[str, Any] | None:
         now = self.clock()
@@ -496,28 +519,23 @@ class WarmupCoordinator:
 
     # -- server load -------------------------------------------------------------------
 
-    def _busy(self) -> bool:
-        if self.max_waiting is None and self.max_load is None:
-            return False
+    def _server_view(self) -> ServerView:
+        """What ``/metrics`` says, read at most every ``metrics_interval`` s (empty when unreadable)."""
         now = self.clock()
-        if self._load is None or now - self._load[0] >= self.metrics_interval:
-            queue: tuple[float, float] | None = None
-            try:
-                response = self._client.get("/metrics")
-                response.raise_for_status()
-                queue = _parse_queue(response.text)
-                if queue is None:
-                    self.errors.record("GET /metrics", message="no vllm:num_requests_* gauges: the busy gate is off")
-            except Exception as exc:
-                self.errors.record("GET /metrics", exc)
-            self._load = (now, queue)
-        queue = self._load[1]
-        if queue is None:
-            return False  # unknown load: do not starve warm-ups because metrics are unavailable
-        running, waiting = queue
-        if self.max_waiting is not None and waiting > self.max_waiting:
-            return True
-        return self.max_load is not None and running + waiting > self.max_load
+        cached = self._view
+        if cached is not None and now - cached[0] < self.metrics_interval:
+            return cached[1]
+        view = ServerView()
+        try:
+            response = self._client.get("/metrics")
+            response.raise_for_status()
+            view = parse_server_view(response.text)
+            if view.waiting is None:
+                self.errors.record("GET /metrics", message="no vllm:num_requests_* gauges: the busy gate is off")
+        except Exception as exc:
+            self.errors.record("GET /metrics", exc)
+        self._view = (now, view)
+        return view
 
     # -- sending -----------------------------------------------------------------------
 
@@ -554,7 +572,10 @@ class WarmupCoordinator:
             # vLLM recomputes the last block of a fully cached prompt: it reports length - block_size
             if cached and length and cached >= length - anchor.block_size:
                 self.counts["already_warm"] += 1
-            self._touched[agent] = done
+            if self._view is not None and agent in self._view[1].anchors:
+                # until the next /metrics read, the anchor just warmed counts as resident
+                learned = self._view[1].anchors[agent][1]
+                self._view[1].anchors[agent] = (learned, learned)
             if length:
                 self._pending[agent] = _Pending(length, done)
             if job.session is not None and not job.manual:
@@ -591,6 +612,7 @@ class WarmupCoordinator:
                 "failed": counts.get("failed", 0),
                 "dropped": counts.get("dropped", 0),
                 "skipped": dict(self.skipped),
+                "fallbacks": dict(self.fallbacks),
                 "useful": counts.get("useful", 0),
                 "not_useful": counts.get("not_useful", 0),
                 "unmeasured": counts.get("unmeasured", 0),
@@ -607,6 +629,16 @@ class WarmupCoordinator:
         out["unstable_prefixes"] = self.anchors.divergences()
         out["errors"] = {**anchors["errors"], **dict(self.errors.by_kind)}
         return out
+
+
+def _blocks_to_warm(anchor: Anchor | None, view: ServerView, agent: str) -> int:
+    """Blocks a warm-up of ``anchor`` prefills: its token length, or for a chat replay (length known
+    only from the answer) the server's learned anchor length, at least one block."""
+    if anchor is None:
+        return 0
+    if anchor.tokens:
+        return anchor.blocks
+    return max(1, view.anchors.get(agent, (0, 0))[1])
 
 
 class _NoTokenizer(RuntimeError):

@@ -101,6 +101,11 @@ def test_facts_and_warmup(pipeline):
     assert result.warmups == warm.warmups["issued"] > 0 and result.warmup_tokens > 0
     assert result.computed_tokens == result.prefill_tokens + result.warmup_tokens
     assert warm.runtime.learner.dispatches == len({(r.session, r.step) for r in pipeline.requests})  # never learned
+    outcomes = result.policy_stats["warmup_outcomes"]
+    assert outcomes["sent"] == result.warmups  # the server counted every warm-up the policy issued
+    assert outcomes["sent"] == outcomes["useful"] + outcomes["wasted"] + outcomes["redundant"] + outcomes["pending"]
+    assert outcomes["useful"] > 0
+    assert "fresh" not in result.policy_stats["warmups"]
 
 
 def test_ttl_pins_hold_blocks(selector):

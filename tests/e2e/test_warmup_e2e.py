@@ -79,8 +79,8 @@ def test_warmup_makes_a_cold_anchor_hit(agentkv_server) -> None:
     run = uuid.uuid4().hex[:8]
     app = App(base, run)
 
-    # fresh_seconds=0: the fill below evicts what a freshness window would still believe warm.
-    app.coordinator = WarmupCoordinator(base, learner=TransitionLearner(), fresh_seconds=0)
+    server_before = stats(base)["warmups"]
+    app.coordinator = WarmupCoordinator(base, learner=TransitionLearner())
     with app.coordinator as coordinator:
         app.session(f"w-{run}-1")
         assert coordinator.stats()["sent"] == 0  # nothing predicted yet
@@ -102,11 +102,16 @@ def test_warmup_makes_a_cold_anchor_hit(agentkv_server) -> None:
     assert client_side["predictions"] == {"right": 1, "wrong": 0}
     assert client_side["errors"] == {} and client_side["unstable_prefixes"] == {}
     assert learned(stats(base), app.planner, app.coder)
+    server_after = stats(base)["warmups"]
+    # the server saw the warm-up and the coder's call hit every warmed block
+    assert server_after["sent"] - server_before["sent"] == 1
+    assert server_after["useful"] - server_before["useful"] == 1
 
     # The same with the server's learned transitions (no client-side learner).
-    app.coordinator = WarmupCoordinator(base, fresh_seconds=0)
+    app.coordinator = WarmupCoordinator(base)
     with app.coordinator as coordinator:
         app.session(f"w-{run}-3")  # captures the anchors (the server already predicts planner -> coder)
+        assert coordinator.stats()["sent"] == 0  # the coder's anchor was resident: nothing to warm
         fill_cache(base, f"{run}-3")
         app.session(f"w-{run}-4")
         server_side = coordinator.stats()
@@ -115,4 +120,7 @@ def test_warmup_makes_a_cold_anchor_hit(agentkv_server) -> None:
           f"{app.hits['coder'][-1]} of an anchor of {warm['anchor_tokens']}")
     assert warm["agent"] == app.coder and warm["cached_tokens"] < warm["anchor_tokens"]
     assert app.hits["coder"][-1] >= warm["anchor_tokens"] >= 10 * BLOCK
-    assert server_side["useful"] >= 1 and server_side["failed"] == 0
+    assert server_side["sent"] == 1 and server_side["useful"] == 1 and server_side["failed"] == 0
+    assert server_side["skipped"].get("resident", 0) >= 1
+    assert "residency_unknown" not in server_side["fallbacks"]  # the server knew the coder's anchor by then
+    assert stats(base)["warmups"]["useful"] - server_after["useful"] == 1

@@ -42,6 +42,9 @@ class FakeVLLM:
     delay: float = 0.0  # seconds before answering a warm-up
     gate: threading.Event | None = None  # warm-ups wait for it
     include_details: bool = True  # --enable-prompt-tokens-details
+    agentkv_metrics: bool = True  # /metrics carries agentkv's gauges (a vanilla vLLM's does not)
+    anchors: dict[str, tuple[int, int]] = field(default_factory=dict)  # agent -> (resident, length) blocks
+    free_blocks: int = 1000
     calls: list[Call] = field(default_factory=list)
     cache: set[tuple[int, ...]] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -171,6 +174,11 @@ class FakeVLLM:
                 f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {float(self.waiting)}\n'
                 'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 7.0\n'
             )
+            if self.agentkv_metrics:
+                text += f"agentkv_kv_free_blocks {float(self.free_blocks)}\n"
+                for agent, (resident, length) in self.anchors.items():
+                    text += (f'agentkv_anchor_length_blocks{{agent="{agent}"}} {float(length)}\n'
+                             f'agentkv_anchor_resident_blocks{{agent="{agent}"}} {float(resident)}\n')
             return httpx.Response(200, text=text)
         if path == "/agentkv/v1/stats":
             return httpx.Response(200, json={"version": 1, "block_size": self.block_size,

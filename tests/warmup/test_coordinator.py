@@ -19,7 +19,7 @@ import agentkv
 from agentkv.frameworks import set_routing_key, tracker, use_tag
 from agentkv.graph import TransitionLearner
 from agentkv.protocol import AgentTag
-from agentkv.warmup import TaggedResponse, TokenBucket, WarmupCoordinator, on_response
+from agentkv.warmup import TaggedResponse, WarmupCoordinator, on_response
 
 from ._fake_vllm import BASE, FakeVLLM
 
@@ -92,7 +92,7 @@ def session(client: OpenAI, coord: WarmupCoordinator, clock: Clock, agents: list
     for agent in agents:
         with agentkv.agent(agent, session=sid):
             results.append(call(client, agent, sid))
-        clock.advance(10)  # well past fresh_seconds: the anchors count as cold again
+        clock.advance(10)  # past metrics_interval: the next job reads /metrics again
         assert coord.flush(5)
     return results
 
@@ -131,6 +131,23 @@ def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Cloc
         "source": anchor.source, "cached_tokens": 0, "prompt_tokens": anchor.length, "seconds": 0,
         "next_call_cached_tokens": cached(second)}
     assert stats["anchors"][coder]["stable"] is True
+
+
+def test_warms_in_the_tool_step_once_the_model_answered(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
+) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    with make(fake, clock) as coord:
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        fake.evict_all()
+        with agentkv.agent(planner, session=f"b-{run_id}"):
+            call(client, planner, f"b-{run_id}")
+            assert coord.flush(5)
+            # still inside the planner's dispatch (its tool step): the coder is warm already
+            assert [w.headers["x-agentkv-agent"] for w in fake.warmups()] == [coder]
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["sent"] == 1 and "late" not in stats["skipped"]  # the dispatch's end queued no second job
 
 
 def test_agent_routing_key_sends_calls_and_warmups_by_agent(
@@ -194,24 +211,70 @@ def test_no_prediction_and_no_anchor(fake: FakeVLLM, clock: Clock, client: OpenA
     assert stats["skipped"] == {"no_anchor": 1, "no_prediction": 1}  # the ghost never called: nothing to warm
 
 
-def test_fresh_gate(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+def test_resident_gate_reads_the_servers_residency(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
+) -> None:
     coder = f"coder-{run_id}"
-    with make(fake, clock, fresh_seconds=30) as coord:
+    fake.anchors = {coder: (4, 4)}
+    with make(fake, clock) as coord:
         tagged_call(client, coder, f"s-{run_id}")
-        coord.warm(coder)  # just used: still warm
+        coord.warm(coder)  # the server holds the whole anchor
         assert coord.flush(5)
-        clock.advance(31)
+        fake.anchors = {coder: (3, 4)}  # its last block was evicted
+        clock.advance(0.6)
         coord.warm(coder)
         assert coord.flush(5)
-        coord.warm(coder)  # just warmed
+        fake.anchors = {coder: (0, 4)}
+        coord.warm(coder)  # within metrics_interval: the anchor just warmed counts as resident
         assert coord.flush(5)
         stats = coord.stats()
-    assert stats["sent"] == 1 and stats["skipped"] == {"fresh": 2}
+    assert stats["sent"] == 1 and stats["skipped"] == {"resident": 2} and stats["fallbacks"] == {}
+    assert fake.count("/metrics") == 2
+
+
+def test_no_room_gate(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    coder = f"coder-{run_id}"
+    with make(fake, clock, min_free_blocks=2) as coord:
+        tagged_call(client, coder, f"s-{run_id}")
+        fake.free_blocks = 0
+        coord.warm(coder)
+        assert coord.flush(5)
+        blocks = coord.anchors.anchor(coder).blocks
+        fake.free_blocks = blocks + 1  # the anchor fits, the reserve does not
+        clock.advance(0.6)
+        coord.warm(coder)
+        assert coord.flush(5)
+        fake.free_blocks = blocks + 2
+        clock.advance(0.6)
+        coord.warm(coder)
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["sent"] == 1 and stats["skipped"] == {"no_room": 2}
+
+
+@pytest.mark.parametrize("server", ["vanilla", "broken"])
+def test_unknown_residency_and_room_fall_back_and_are_counted(
+    fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str, server: str
+) -> None:
+    coder = f"coder-{run_id}"
+    if server == "vanilla":
+        fake.agentkv_metrics = False
+    else:
+        fake.fail["/metrics"] = 500
+    with make(fake, clock) as coord:
+        tagged_call(client, coder, f"s-{run_id}")
+        coord.warm(coder)
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["sent"] == 1 and stats["skipped"] == {}
+    unknown = {"residency_unknown": 1, "room_unknown": 1}
+    assert stats["fallbacks"] == (unknown if server == "vanilla" else unknown | {"load_unknown": 1})
+    assert ("GET /metrics" in stats["errors"]) == (server == "broken")
 
 
 def test_rate_limit_token_bucket(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
     agents = [f"x{i}-{run_id}" for i in range(4)]
-    with make(fake, clock, max_per_second=0.5, burst=2, fresh_seconds=0) as coord:
+    with make(fake, clock, max_per_second=0.5, burst=2) as coord:
         for agent in agents:
             tagged_call(client, agent, f"s-{run_id}")
         for agent in agents:
@@ -227,7 +290,7 @@ def test_rate_limit_token_bucket(fake: FakeVLLM, clock: Clock, client: OpenAI, r
 
 def test_already_warm_is_counted(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
     coder = f"coder-{run_id}"
-    with make(fake, clock, fresh_seconds=0) as coord:
+    with make(fake, clock) as coord:
         tagged_call(client, coder, f"s-{run_id}")
         fake.evict_all()
         coord.warm(coder)
@@ -238,22 +301,12 @@ def test_already_warm_is_counted(fake: FakeVLLM, clock: Clock, client: OpenAI, r
     assert [r["cached_tokens"] for r in stats["recent"]] == [0, stats["recent"][0]["anchor_tokens"] - 16]
 
 
-def test_token_bucket() -> None:
-    clock = Clock()
-    bucket = TokenBucket(rate=2.0, capacity=3, clock=clock)
-    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
-    clock.advance(0.5)
-    assert bucket.take() and not bucket.take()
-    clock.advance(100)
-    assert sum(bucket.take() for _ in range(10)) == 3
-
-
 def test_busy_gate_reads_metrics_at_most_every_interval(
     fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
 ) -> None:
     coder = f"coder-{run_id}"
     fake.waiting = 2
-    with make(fake, clock, fresh_seconds=0, max_per_second=100, burst=100) as coord:
+    with make(fake, clock, max_per_second=100, burst=100) as coord:
         tagged_call(client, coder, f"s-{run_id}")
         for _ in range(3):
             coord.warm(coder)
@@ -265,7 +318,7 @@ def test_busy_gate_reads_metrics_at_most_every_interval(
         assert coord.flush(5)
         assert coord.stats()["sent"] == 1 and fake.count("/metrics") == 2
     fake.running = 5
-    with make(fake, clock, fresh_seconds=0, max_load=4) as coord:
+    with make(fake, clock, max_load=4) as coord:
         tagged_call(client, coder, f"t-{run_id}")
         coord.warm(coder)
         assert coord.flush(5)
@@ -301,7 +354,7 @@ def test_late_and_ended_sessions_are_skipped(fake: FakeVLLM, clock: Clock, clien
 def test_bounded_queue_drops_the_oldest(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
     agents = [f"x{i}-{run_id}" for i in range(6)]
     fake.gate = threading.Event()
-    with make(fake, clock, queue_size=2, fresh_seconds=0, max_per_second=100, burst=100) as coord:
+    with make(fake, clock, queue_size=2, max_per_second=100, burst=100) as coord:
         for agent in agents:
             tagged_call(client, agent, f"s-{run_id}")
         coord.warm(agents[0])

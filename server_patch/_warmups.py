@@ -1,0 +1,103 @@
+"""What became of each anchor warm-up, as the engine sees it: useful, wasted or redundant."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = ["WarmupLedger"]
+
+DEFAULT_WINDOW: Final = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Warmed:
+    hashes: tuple[Hashable, ...]  # the warm-up's full blocks, in prompt order
+    at: float
+
+
+class WarmupLedger:
+    """Server-side outcome of warm-ups (requests tagged ``warmup``), per agent.
+
+    A warm-up is ``sent`` when the engine admits it. It is ``redundant`` when it found its prompt
+    cached already (every block it could hit); otherwise it is
+    *pending* until the first of: the agent's next real request is admitted (``useful`` if that
+    request hit every warmed block, ``wasted`` as ``missed`` if not, e.g. its prompt no longer
+    starts with them), a warmed block is evicted (``wasted``: ``evicted``), ``window`` seconds pass
+    (``wasted``: ``expired``), or a new warm-up of the agent replaces it (``wasted``: ``superseded``).
+
+    Invariants: at most one pending warm-up per agent; ``sent == useful + wasted + redundant +
+    pending``; ``_holders`` maps exactly the hashes of pending warm-ups to their agents.
+    """
+
+    def __init__(self, clock: Callable[[], float], window: float = DEFAULT_WINDOW) -> None:
+        self.clock = clock
+        self.window = window
+        self.counts: Counter[str] = Counter()
+        self.wasted: Counter[str] = Counter()
+        self._pending: dict[str, _Warmed] = {}
+        self._holders: dict[Hashable, set[str]] = {}
+
+    def warmed(self, agent: str, block_hashes: Sequence[Hashable], hit_blocks: int, hittable_blocks: int) -> None:
+        """A warm-up of ``agent`` was admitted with ``hit_blocks`` leading blocks from the cache, of
+        ``hittable_blocks`` it could hit at most (vLLM always computes a prompt's last token)."""
+        self.expire()
+        self.counts["sent"] += 1
+        if not block_hashes or hit_blocks >= hittable_blocks:
+            self.counts["redundant"] += 1
+            return
+        if agent in self._pending:
+            self._resolve(agent, "superseded")
+        self._pending[agent] = _Warmed(tuple(block_hashes), self.clock())
+        for block_hash in block_hashes:
+            self._holders.setdefault(block_hash, set()).add(agent)
+
+    def used(self, agent: str, block_hashes: Sequence[Hashable], hit_blocks: int) -> None:
+        """A real request of ``agent`` was admitted with ``hit_blocks`` leading blocks from the cache."""
+        self.expire()
+        warmed = self._pending.get(agent)
+        if warmed is None:
+            return
+        n = len(warmed.hashes)
+        hit = hit_blocks >= n and tuple(block_hashes[:n]) == warmed.hashes
+        self._resolve(agent, None if hit else "missed")
+
+    def evicted(self, block_hash: Hashable) -> None:
+        """A cached block was evicted: a pending warm-up holding it was wasted."""
+        agents = self._holders.get(block_hash)
+        if agents:
+            for agent in list(agents):
+                self._resolve(agent, "evicted")
+
+    def expire(self) -> None:
+        now = self.clock()
+        for agent in [a for a, w in self._pending.items() if now - w.at > self.window]:
+            self._resolve(agent, "expired")
+
+    def _resolve(self, agent: str, waste: str | None) -> None:
+        warmed = self._pending.pop(agent)
+        for block_hash in warmed.hashes:
+            holders = self._holders.get(block_hash)
+            if holders is not None:
+                holders.discard(agent)
+                if not holders:
+                    del self._holders[block_hash]
+        if waste is None:
+            self.counts["useful"] += 1
+        else:
+            self.counts["wasted"] += 1
+            self.wasted[waste] += 1
+
+    def stats(self) -> dict[str, Any]:
+        self.expire()
+        return {
+            "sent": self.counts["sent"],
+            "useful": self.counts["useful"],
+            "wasted": self.counts["wasted"],
+            "redundant": self.counts["redundant"],
+            "pending": len(self._pending),
+            "wasted_by": {k: self.wasted[k] for k in ("evicted", "expired", "missed", "superseded")},
+            "window_s": self.window,
+        }

@@ -1,0 +1,123 @@
+"""Warm-up outcomes and anchor residency, counted by AgentKVRuntime on a real vLLM KVCacheManager."""
+
+from __future__ import annotations
+
+import jsonschema
+
+from agentkv.protocol import STATS_SCHEMA, AgentTag
+from server_patch._metrics import render_metrics
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+
+from .test_runtime import ANCHOR_BLOCKS, BS, anchor, manager, request, run
+
+NUM_BLOCKS = 40  # 39 usable blocks: one request of 39 blocks evicts every cached block
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def setup(clock: Clock | None = None) -> tuple[AgentKVRuntime, object]:
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(), clock=clock or Clock())
+    runtime.install(kv)
+    for s in ("s0", "s1"):  # two sessions teach the coder's anchor length
+        run(kv, runtime, request(anchor("coder") + history(s), AgentTag("coder", s)))
+    return runtime, kv
+
+
+def history(session: str, blocks: int = 2) -> list[int]:
+    start = 500_000 + 10_000 * int(session[1:])
+    return [*range(start, start + blocks * BS), 7]
+
+
+def evict_everything(kv: object, runtime: AgentKVRuntime) -> None:
+    run(kv, runtime, request(list(range(900_000, 900_000 + (NUM_BLOCKS - 1) * BS - 1)), None))
+
+
+def warmup(kv: object, runtime: AgentKVRuntime, agent: str = "coder") -> int:
+    return run(kv, runtime, request(anchor(agent), AgentTag(agent, warmup=True)))
+
+
+def outcomes(runtime: AgentKVRuntime) -> dict[str, object]:
+    return runtime.stats()["warmups"]
+
+
+def test_residency_follows_the_cache() -> None:
+    runtime, kv = setup()
+    assert runtime.anchor_residency("coder") == (ANCHOR_BLOCKS, ANCHOR_BLOCKS)
+    assert runtime.anchor_residency("nobody") == (0, 0)
+    evict_everything(kv, runtime)
+    assert runtime.anchor_residency("coder") == (0, ANCHOR_BLOCKS)
+    warmup(kv, runtime)
+    stats = runtime.stats()
+    assert stats["agents"]["coder"]["anchor_resident_blocks"] == ANCHOR_BLOCKS
+    assert stats["kv_free_blocks"] == NUM_BLOCKS - 1  # nothing running: every block is free or evictable
+    jsonschema.validate(stats, STATS_SCHEMA)
+
+
+def test_warmup_then_the_agents_call_hitting_it_is_useful() -> None:
+    runtime, kv = setup()
+    evict_everything(kv, runtime)
+    assert warmup(kv, runtime) == 0  # the anchor was cold
+    assert outcomes(runtime) | {"wasted_by": None} == {
+        "sent": 1, "useful": 0, "wasted": 0, "redundant": 0, "pending": 1, "wasted_by": None, "window_s": 120.0}
+    other = run(kv, runtime, request(anchor("reviewer") + history("s7"), AgentTag("reviewer", "s7")))
+    assert other == 0 and outcomes(runtime)["pending"] == 1  # another agent's call settles nothing
+    hit = run(kv, runtime, request(anchor("coder") + history("s2"), AgentTag("coder", "s2")))
+    assert hit == ANCHOR_BLOCKS * BS
+    assert outcomes(runtime) == {"sent": 1, "useful": 1, "wasted": 0, "redundant": 0, "pending": 0,
+                                 "wasted_by": {"evicted": 0, "expired": 0, "missed": 0, "superseded": 0},
+                                 "window_s": 120.0}
+    text = render_metrics(runtime.stats(), strict=False).decode()
+    assert 'agentkv_warmups_total{outcome="useful"} 1.0' in text
+    assert 'agentkv_warmups_total{outcome="sent"} 1.0' in text
+    assert f'agentkv_anchor_resident_blocks{{agent="coder"}} {float(ANCHOR_BLOCKS)}' in text
+    assert f'agentkv_anchor_length_blocks{{agent="coder"}} {float(ANCHOR_BLOCKS)}' in text
+    assert f"agentkv_kv_free_blocks {float(NUM_BLOCKS - 1)}" in text
+
+
+def test_warmup_evicted_before_use_is_wasted() -> None:
+    runtime, kv = setup()
+    evict_everything(kv, runtime)
+    warmup(kv, runtime)
+    evict_everything(kv, runtime)
+    stats = outcomes(runtime)
+    assert (stats["sent"], stats["useful"], stats["wasted"], stats["pending"]) == (1, 0, 1, 0)
+    assert stats["wasted_by"]["evicted"] == 1
+    assert run(kv, runtime, request(anchor("coder") + history("s2"), AgentTag("coder", "s2"))) == 0
+    assert outcomes(runtime)["wasted"] == 1  # settled once
+
+
+def test_warmup_of_a_resident_anchor_is_redundant() -> None:
+    runtime, kv = setup()
+    assert warmup(kv, runtime) == (ANCHOR_BLOCKS - 1) * BS  # vLLM computes the last block again
+    stats = outcomes(runtime)
+    assert (stats["sent"], stats["redundant"], stats["pending"]) == (1, 1, 0)
+
+
+def test_unused_warmup_expires_and_a_call_without_the_anchor_misses() -> None:
+    clock = Clock()
+    runtime, kv = setup(clock)
+    evict_everything(kv, runtime)
+    warmup(kv, runtime)
+    clock.now += 121
+    assert outcomes(runtime)["wasted_by"]["expired"] == 1
+    evict_everything(kv, runtime)
+    warmup(kv, runtime)
+    run(kv, runtime, request(list(range(700_000, 700_000 + 3 * BS)), AgentTag("coder", "s9")))  # another prefix
+    stats = outcomes(runtime)
+    assert (stats["sent"], stats["useful"], stats["wasted"]) == (2, 0, 2)
+    assert stats["wasted_by"]["missed"] == 1
+
+
+def test_warmups_do_not_count_as_the_agents_queries() -> None:
+    runtime, kv = setup()
+    before = runtime.stats()["agents"]["coder"]
+    warmup(kv, runtime)
+    after = runtime.stats()["agents"]["coder"]
+    assert (after["queries"], after["hits"]) == (before["queries"], before["hits"])
