@@ -143,6 +143,8 @@ class AgentKVRuntime:
             )
             queue.on_evict = self._on_evict
             self.queues.append(queue)
+        else:
+            self._count_lru_evictions(pool.free_block_queue)
 
         cache_full_blocks = pool.cache_full_blocks
 
@@ -304,6 +306,21 @@ class AgentKVRuntime:
 
     def _on_evict(self, block: KVCacheBlock) -> None:
         self.tracker.evicted(block.block_id, self.facts.is_ended)
+
+    def _count_lru_evictions(self, queue: Any) -> None:
+        """Disabled mode: vLLM's own free queue keeps its exact LRU order; the cached blocks it
+        hands out for reuse (which the pool evicts right away) are counted as the scored queue
+        counts them."""
+        popleft, popleft_n = queue.popleft, queue.popleft_n
+
+        def report(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._on_evict(block)
+            return blocks
+
+        queue.popleft = lambda: report([popleft()])[0]
+        queue.popleft_n = lambda n: report(popleft_n(n))
 
     # -- control channel -----------------------------------------------------------
 
