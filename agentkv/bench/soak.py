@@ -162,9 +162,11 @@ def _worker(config: SoakConfig, url: str, seed: int, deadline: float, budget: It
         while time.monotonic() < deadline and next(budget, None) is not None:
             case = choose_case(rng, names, weights)
             request = CASES[case][0](ctx, rng)
+            headers = request.headers
+            if request.body is not None and not any(name.lower() == "content-type" for name, _ in headers):
+                headers = [("Content-Type", "application/json"), *headers]
             try:
-                response = client.request(request.method, request.path, headers=request.headers,
-                                          content=request.body)
+                response = client.request(request.method, request.path, headers=headers, content=request.body)
                 outcome: int | str = response.status_code
             except httpx.TransportError as exc:  # no response: the request was lost
                 outcome = type(exc).__name__
