@@ -38,6 +38,12 @@ def _bench_replay(args: argparse.Namespace) -> None:
     cli.run_replay(args)
 
 
+def _bench_soak(args: argparse.Namespace) -> None:
+    from agentkv.bench import soak
+
+    soak.main(args)
+
+
 def _serve(args: argparse.Namespace) -> None:
     from agentkv import serve
 
@@ -87,6 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     bench_serve = bench.add_parser("serve", help="the six-agent LangGraph app on vanilla vLLM vs agentkv serve")
     _add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(run=_bench_serve)
+    from agentkv.bench import soak as bench_soak  # light: httpx only
+
+    bench_soak_parser = bench.add_parser("soak", help="mixed valid and hostile traffic against agentkv serve")
+    bench_soak.add_arguments(bench_soak_parser)
+    bench_soak_parser.set_defaults(run=_bench_soak)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from agentkv.testing.vllm_server import VLLMServer, free_port
@@ -43,9 +43,11 @@ class _Command:
 
 @dataclass
 class ClusterConfig:
-    """``vllm_args`` go to every replica; they must not set --host or --port."""
+    """``vllm_args`` go to every replica; they must not set --host or --port. Every field after
+    ``model`` is keyword-only: their order is not part of the interface."""
 
     model: str
+    _: KW_ONLY
     replicas: int = 2
     policy: str = "kv_aware"
     vanilla: bool = False
@@ -200,8 +202,9 @@ def _up(args: argparse.Namespace) -> None:
     if not args.vllm_args:
         sys.exit("usage: agentkv cluster up [--replicas N] [--router-policy P] [--vanilla] MODEL [vllm args]")
     model, *vllm_args = args.vllm_args
-    config = ClusterConfig(model, args.replicas, args.router_policy, args.vanilla, vllm_args,
-                           args.port, args.sync_interval, args.name)
+    config = ClusterConfig(model, replicas=args.replicas, policy=args.router_policy, vanilla=args.vanilla,
+                           vllm_args=vllm_args, router_port=args.port, sync_interval=args.sync_interval,
+                           name=args.name)
     state = _state_file(config.name)
     if state.exists():
         sys.exit(f"a cluster named {config.name!r} is already up ({state}); run `agentkv cluster down` first")

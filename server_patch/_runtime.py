@@ -151,6 +151,8 @@ class AgentKVRuntime:
             )
             queue.on_evict = self._on_evict
             self.queues.append(queue)
+        else:
+            self._count_lru_evictions(pool.free_block_queue)
 
         cache_full_blocks = pool.cache_full_blocks
 
@@ -363,6 +365,21 @@ class AgentKVRuntime:
                 break
             resident += 1
         return resident, len(hashes)
+
+    def _count_lru_evictions(self, queue: Any) -> None:
+        """Disabled mode: vLLM's own free queue keeps its exact LRU order; the cached blocks it
+        hands out for reuse (which the pool evicts right away) are counted as the scored queue
+        counts them."""
+        popleft, popleft_n = queue.popleft, queue.popleft_n
+
+        def report(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._on_evict(block)
+            return blocks
+
+        queue.popleft = lambda: report([popleft()])[0]
+        queue.popleft_n = lambda n: report(popleft_n(n))
 
     # -- control channel -----------------------------------------------------------
 

@@ -5,14 +5,20 @@ code never waits on the server and never sees an error: failures are counted and
 Events carry an ``id``, so the server skips replays; a failed batch is dropped, not retried
 (graph facts are re-sent with every ``session_start``). Several endpoints (the replicas behind a
 router, which sends ``/agentkv/*`` to one replica of its choosing) each get every batch; one
-failing endpoint does not stop delivery to the others.
+failing endpoint does not stop delivery to the others. Nothing is lost silently: every event is
+counted as sent, failed or dropped, and closing (explicitly or at interpreter exit) waits at most
+``CLOSE_TIMEOUT`` seconds before counting what is still queued or in flight as dropped.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import queue
 import threading
+import time
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
@@ -23,9 +29,13 @@ from agentkv.protocol import EVENTS_PATH, PROTOCOL_VERSION, validate_events
 
 from ._context import _COUNTS, ERRORS
 
-__all__ = ["EventSink", "events_endpoint", "get_sink", "new_event_id", "session_event"]
+__all__ = ["CLOSE_TIMEOUT", "EventSink", "events_endpoint", "get_sink", "new_event_id", "session_event"]
 
 _MAX_BATCH: Final = 1000  # the schema's maxItems
+CLOSE_TIMEOUT: Final = 1.0  # seconds EventSink.close() (and interpreter exit) waits for pending deliveries
+
+logger = logging.getLogger("agentkv.frameworks")
+_LIVE_SINKS: weakref.WeakSet[EventSink] = weakref.WeakSet()
 
 
 def new_event_id() -> str:
@@ -49,7 +59,18 @@ def events_endpoint(url: str) -> str:
 
 class EventSink:
     """Posts agentkv events from a daemon thread to every endpoint in ``urls``; ``post`` never
-    blocks and never raises. ``sent`` and ``failed`` count deliveries (events x endpoints)."""
+    blocks and never raises.
+
+    Accounting invariant: every event handed to ``post`` is counted exactly once per endpoint (one
+    *delivery*) in ``sent`` (the endpoint answered below 400), ``failed`` (a connection error, an
+    HTTP error status or the client timeout) or ``dropped`` (invalid, queue full, posted after
+    ``close``, or still queued or in flight when ``close`` stopped waiting); ``pending`` holds the
+    deliveries not counted yet. After ``close``, ``pending == 0`` and ``sent + failed + dropped``
+    is the number of events posted times ``len(urls)`` (an unreadable post counts as one event).
+
+    ``close`` never waits longer than its ``timeout`` (default :data:`CLOSE_TIMEOUT` seconds); it is
+    also run at interpreter exit, so a dead or hanging server costs at most that much at exit.
+    """
 
     def __init__(
         self,
@@ -64,49 +85,89 @@ class EventSink:
         self.sent = 0
         self.failed = 0
         self.dropped = 0
+        self.pending = 0
         self._transport = transport
         self._queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue(maxsize=max_queue)
-        self._idle = threading.Condition()
-        self._pending = 0
+        self._lock = threading.Lock()  # guards the counters, _thread, _closed and _abandoned
+        self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._closed = False
+        self._abandoned = False  # close() counted what was left as dropped: the worker counts nothing more
+        _LIVE_SINKS.add(self)
 
     def post(self, events: Iterable[Mapping[str, Any]]) -> None:
         """Queue events for delivery (invalid ones are dropped and counted)."""
+        batch: list[dict[str, Any]] = []
         try:
             batch = [dict(e) for e in events]
             if not batch:
                 return
             validate_events({"version": PROTOCOL_VERSION, "events": batch[:_MAX_BATCH]})
-            self._start()
-            with self._idle:
-                self._pending += 1
-            try:
-                self._queue.put_nowait(batch)
-            except queue.Full:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
-                self.dropped += len(batch)
-                ERRORS.record("events queue", message="queue full, events dropped")
         except Exception as exc:
-            self.dropped += 1
+            self._drop(max(1, len(batch)) * len(self.urls))
             ERRORS.record("events post", exc)
+            return
+        deliveries = len(batch) * len(self.urls)
+        self._start()
+        with self._lock:
+            if self._closed:
+                reason = "sink closed, events dropped"
+            else:
+                try:
+                    self._queue.put_nowait(batch)
+                    self.pending += deliveries
+                    return
+                except queue.Full:
+                    reason = "queue full, events dropped"
+        self._drop(deliveries)
+        ERRORS.record("events queue", message=reason)
 
     def flush(self, timeout: float | None = 5.0) -> bool:
-        """Wait until every queued batch was attempted; False on timeout."""
+        """Wait until every queued delivery was counted; False on timeout."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+            return self._idle.wait_for(lambda: self.pending == 0, timeout)
 
-    def close(self, timeout: float | None = 5.0) -> None:
-        self.flush(timeout)
-        with self._lock:
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Wait up to ``timeout`` seconds for pending deliveries, count the rest as dropped, stop."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._idle:
             self._closed = True
+            self._idle.wait_for(lambda: self.pending == 0, max(0.0, timeout))
+            while True:  # whatever is still queued will not be sent
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if self.pending:
+                self.dropped += self.pending
+                _COUNTS["events_dropped"] += self.pending
+                self.pending = 0
+                self._abandoned = True
+                self._idle.notify_all()
             thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(timeout)
+            if thread is not None:
+                self._queue.put_nowait(None)  # the queue is empty: wakes the worker, which then exits
+        _LIVE_SINKS.discard(self)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if self.failed or self.dropped:
+            logger.warning("agentkv events to %s: sent %d, failed %d, dropped %d",
+                           ", ".join(self.urls), self.sent, self.failed, self.dropped)
+
+    def _drop(self, deliveries: int) -> None:
+        with self._lock:
+            self.dropped += deliveries
+        _COUNTS["events_dropped"] += deliveries
+
+    def _count(self, outcome: str, deliveries: int) -> None:
+        """Move ``deliveries`` from pending to ``outcome`` (sent or failed), unless close() gave up."""
+        with self._idle:
+            if self._abandoned:
+                return
+            setattr(self, outcome, getattr(self, outcome) + deliveries)
+            self.pending -= deliveries
+            _COUNTS[f"events_{outcome}"] += deliveries
+            self._idle.notify_all()
 
     def _start(self) -> None:
         with self._lock:
@@ -132,13 +193,8 @@ class EventSink:
                         break
                     batches.append(more)
                 events = [e for b in batches for e in b]
-                try:
-                    for url in self.urls:
-                        self._deliver(client, url, events)
-                finally:
-                    with self._idle:
-                        self._pending -= len(batches)
-                        self._idle.notify_all()
+                for url in self.urls:
+                    self._deliver(client, url, events)
                 if stop:
                     return
 
@@ -151,11 +207,9 @@ class EventSink:
                 if response.status_code >= 400:
                     raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
                 delivered += len(chunk)
-                self.sent += len(chunk)
-                _COUNTS["events_sent"] += len(chunk)
+                self._count("sent", len(chunk))
         except Exception as exc:
-            self.failed += len(events) - delivered
-            _COUNTS["events_failed"] += len(events) - delivered
+            self._count("failed", len(events) - delivered)
             ERRORS.record(f"events POST to {url}", exc)
 
 
@@ -178,3 +232,11 @@ def get_sink(url: str | Sequence[str]) -> EventSink:
         if sink is None or sink._closed:
             sink = _SINKS[endpoints] = EventSink(endpoints)
         return sink
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Count what could not be delivered before the process ends; at most CLOSE_TIMEOUT in all."""
+    deadline = time.monotonic() + CLOSE_TIMEOUT
+    for sink in list(_LIVE_SINKS):
+        sink.close(max(0.0, deadline - time.monotonic()))

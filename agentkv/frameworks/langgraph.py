@@ -25,11 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.runnables.config import merge_configs
+from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import Command, Send
 
 from agentkv.protocol import AgentTag
@@ -199,9 +201,8 @@ def graph_facts(graph: Any, agent_names: AgentNames = None) -> dict[str, Any]:
     route only by ``Command`` are declared as able to reach every node, since ``get_graph()``
     cannot see their targets. Nodes mapped to None are contracted away.
     """
-    inner = getattr(graph, "graph", graph)  # accept an InstrumentedGraph too
-    topology = _topology(inner)
-    return _facts_event(topology, _Naming(topology, agent_names), getattr(inner, "name", None))
+    topology = _topology(graph)  # an InstrumentedGraph is a compiled graph too
+    return _facts_event(topology, _Naming(topology, agent_names), getattr(graph, "name", None))
 
 
 # --------------------------------------------------------------------------------------
@@ -583,14 +584,39 @@ def _targets(obj: Any, level: int, nodes: frozenset[str], _depth: int = 0) -> se
 # --------------------------------------------------------------------------------------
 
 
-class InstrumentedGraph:
+@dataclass(slots=True)
+class _Instrumentation:
+    """What every copy of one instrumented app shares (``with_config`` copies share it too)."""
+
+    original: Any
+    facts: dict[str, Any]
+    handler: AgentKVCallbackHandler
+    sink: EventSink | None
+    learner_facts: Any
+    learner_model: Any
+    unsubscribe: Callable[[], None] | None = None
+
+
+_OWN_ATTRIBUTE: Final = "_agentkv"
+
+
+def _pregel_attributes(graph: Any) -> dict[str, Any]:
+    """The constructor arguments of a compiled graph, as ``Pregel.copy`` collects them."""
+    return {k: v for k, v in graph.__dict__.items() if k not in ("__orig_class__", _OWN_ATTRIBUTE)}
+
+
+class InstrumentedGraph(CompiledStateGraph):  # type: ignore[misc]
     """A compiled LangGraph app whose LLM requests carry agentkv tags.
 
-    Behaves like the compiled app: ``invoke``/``ainvoke``/``stream``/``astream``/``astream_events``/
-    ``batch``, ``get_state``, ``config``, ``checkpointer``, ``get_graph`` ... are those of
-    ``self.graph`` (``original.with_config(callbacks=[handler])``, sharing nodes and checkpointer).
-    Sessions begin and end with each root run (invoke, stream, ...), whichever method started it.
+    It *is* a ``CompiledStateGraph`` (hence a langchain ``Runnable``): the original app copied with
+    the agentkv callback handler added to its config, sharing nodes, builder and checkpointer, as
+    ``original.with_config(callbacks=[handler])`` would. So it composes with ``|``, embeds as a
+    subgraph node, and ``with_config``/``copy`` return InstrumentedGraphs sharing the same
+    instrumentation (handler, sink, learner). Sessions begin and end with each root run (invoke,
+    stream, ...), whichever method started it.
     """
+
+    _agentkv: _Instrumentation
 
     def __init__(
         self,
@@ -603,91 +629,93 @@ class InstrumentedGraph:
         sink: EventSink | None = None,
     ) -> None:
         install()
-        self.original = graph
-        self._topology = _topology(graph)
-        self._naming = _Naming(self._topology, agent_names)
-        self.facts: dict[str, Any] = _facts_event(self._topology, self._naming, getattr(graph, "name", None))
-        self.sink = sink if sink is not None else (get_sink(events_url) if events_url else None)
-        self._learner_facts, self._learner_model = _split_learner(learner)
-        self._unsubscribe: Callable[[], None] | None = None
-        if self._learner_facts is not None:
+        topology = _topology(graph)
+        naming = _Naming(topology, agent_names)
+        facts = _facts_event(topology, naming, getattr(graph, "name", None))
+        learner_facts, learner_model = _split_learner(learner)
+        if learner_facts is not None:
             try:
-                self._learner_facts.apply(self.facts)
+                learner_facts.apply(facts)
             except Exception as exc:
                 ERRORS.record("learner facts", exc)
-        self.handler = AgentKVCallbackHandler(
-            self._topology,
-            self._naming,
+        handler = AgentKVCallbackHandler(
+            topology,
+            naming,
             session=session,
             on_episode_start=self._episode_started,
             on_episode_end=self._episode_ended,
         )
-        if self._learner_model is not None:
-            self._unsubscribe = _subscribe_learner(self._learner_model, self.handler.app_id)
-        self.graph = graph.with_config(callbacks=[self.handler])
-        if self.sink is not None:
-            self.sink.post([self.facts])
+        own = _Instrumentation(
+            original=graph,
+            facts=facts,
+            handler=handler,
+            sink=sink if sink is not None else (get_sink(events_url) if events_url else None),
+            learner_facts=learner_facts,
+            learner_model=learner_model,
+        )
+        if learner_model is not None:
+            own.unsubscribe = _subscribe_learner(learner_model, handler.app_id)
+        attributes = _pregel_attributes(graph)
+        attributes["config"] = merge_configs(graph.config, {"callbacks": [handler]})
+        super().__init__(**attributes)
+        self._agentkv = own
+        if own.sink is not None:
+            own.sink.post([facts])
 
-    # -- lifecycle hooks ---------------------------------------------------------------
+    def copy(self, update: dict[str, Any] | None = None) -> InstrumentedGraph:
+        """``Pregel.copy`` (behind ``with_config``): the copy shares this app's instrumentation."""
+        clone = InstrumentedGraph.__new__(InstrumentedGraph)
+        CompiledStateGraph.__init__(clone, **(_pregel_attributes(self) | (update or {})))
+        clone._agentkv = self._agentkv
+        return clone
+
+    # -- the instrumentation -----------------------------------------------------------
+
+    @property
+    def original(self) -> Any:
+        """The compiled app given to ``instrument``."""
+        return self._agentkv.original
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        """The protocol ``graph`` event of the app (agent-level graph facts)."""
+        return self._agentkv.facts
+
+    @property
+    def handler(self) -> AgentKVCallbackHandler:
+        return self._agentkv.handler
+
+    @property
+    def sink(self) -> EventSink | None:
+        return self._agentkv.sink
 
     def _episode_started(self, session: str) -> None:
-        if self.sink is not None:
-            self.sink.post([self.facts, session_event("session_start", session)])
+        sink = self._agentkv.sink
+        if sink is not None:
+            sink.post([self._agentkv.facts, session_event("session_start", session)])
 
     def _episode_ended(self, session: str, cancelled: bool) -> None:
+        own = self._agentkv
         tracker().end_session(session)
-        if self._learner_model is not None and hasattr(self._learner_model, "end_session"):
+        if own.learner_model is not None and hasattr(own.learner_model, "end_session"):
             try:
-                self._learner_model.end_session(session)
+                own.learner_model.end_session(session)
             except Exception as exc:
                 ERRORS.record("learner end_session", exc)
-        if self._learner_facts is not None:
+        if own.learner_facts is not None:
             try:
-                self._learner_facts.end_session(session, cancelled=cancelled)
+                own.learner_facts.end_session(session, cancelled=cancelled)
             except Exception as exc:
                 ERRORS.record("learner facts end_session", exc)
-        if self.sink is not None:
-            self.sink.post([session_event("cancel" if cancelled else "session_end", session)])
+        if own.sink is not None:
+            own.sink.post([session_event("cancel" if cancelled else "session_end", session)])
 
     def close(self) -> None:
         """Stop feeding the learner (the graph keeps working, still tagged)."""
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
-
-    # -- the compiled app's interface ----------------------------------------------------
-
-    def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        return self.graph.invoke(input, config, **kwargs)
-
-    async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        return await self.graph.ainvoke(input, config, **kwargs)
-
-    def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:
-        return self.graph.stream(input, config, **kwargs)
-
-    def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
-        return self.graph.astream(input, config, **kwargs)
-
-    def astream_events(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:
-        return self.graph.astream_events(input, config, **kwargs)
-
-    def with_config(self, config: Any = None, **kwargs: Any) -> Any:
-        """Like the compiled app's ``with_config``; the result stays instrumented (callbacks merge)."""
-        return self.graph.with_config(config, **kwargs)
-
-    @property
-    def config(self) -> Any:
-        return self.graph.config
-
-    @property
-    def checkpointer(self) -> Any:
-        return self.graph.checkpointer
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("graph", "original"):
-            raise AttributeError(name)
-        return getattr(self.graph, name)
+        own = self._agentkv
+        if own.unsubscribe is not None:
+            own.unsubscribe()
+            own.unsubscribe = None
 
     def __repr__(self) -> str:
         return f"InstrumentedGraph({self.original!r})"

@@ -58,10 +58,11 @@ from ._anchors import DEFAULT_BLOCK_SIZE, Anchor, AnchorBook, same_server
 from ._decision import JobState, TargetState, TokenBucket, WarmupPolicy
 from ._responses import TaggedResponse, usage_of
 
-__all__ = ["TokenBucket", "WarmupCoordinator"]
+__all__ = ["CLOSE_TIMEOUT", "TokenBucket", "WarmupCoordinator"]
 
 logger = logging.getLogger("agentkv.warmup")
 
+CLOSE_TIMEOUT: Final = 1.0  # seconds close() waits for the job in progress
 _MAX_SESSIONS: Final = 65_536
 _RECENT: Final = 32
 
@@ -244,14 +245,18 @@ class WarmupCoordinator:
         self._thread.start()
         return self
 
-    def close(self, timeout: float | None = 5.0) -> None:
-        """Unsubscribe, let the job in progress finish (up to ``timeout``) and stop the worker."""
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Unsubscribe, drop the queued jobs (counted in ``dropped``), give the job in progress up
+        to ``timeout`` seconds (default :data:`CLOSE_TIMEOUT`) to finish, and stop the worker. Never
+        blocks longer than ``timeout``: a job stuck on a hanging server ends with its own httpx
+        timeout on the daemon worker thread."""
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self._unsubscribe = []
         self.anchors.detach()
         with self._lock:
             self._closed = True
+            self.counts["dropped"] += len(self._queue)
             self._queue.clear()
             self._wake.notify_all()
             thread = self._thread

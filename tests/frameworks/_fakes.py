@@ -236,3 +236,45 @@ def only(items: Iterable[Any]) -> Any:
     items = list(items)
     assert len(items) == 1, items
     return items[0]
+
+
+class SilentServer:
+    """A real TCP listener on 127.0.0.1 that accepts every connection and never answers (nor reads):
+    what a hung server looks like to a client. ``accepted`` counts connections."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self._listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._connections: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    @property
+    def accepted(self) -> int:
+        return len(self._connections)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self._connections.append(connection)  # kept open, never read or written
+
+    def __enter__(self) -> SilentServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._listener.close()
+        for connection in self._connections:
+            connection.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
@@ -13,11 +15,11 @@ import pytest
 pytest.importorskip("langgraph")
 
 from agentkv.frameworks import stats
-from agentkv.frameworks._events import EventSink, events_endpoint
-from agentkv.frameworks.langgraph import instrument
+from agentkv.frameworks._events import CLOSE_TIMEOUT, EventSink, events_endpoint, session_event
+from agentkv.frameworks.langgraph import InstrumentedGraph, instrument
 from agentkv.protocol import EVENTS_PATH, validate_events
 
-from ._fakes import EventsServer, FakeOpenAI, closed_port_url
+from ._fakes import EventsServer, FakeOpenAI, SilentServer, closed_port_url
 from .test_langgraph import FAN_OUT_EXPECTED, fan_out_app
 
 
@@ -129,3 +131,72 @@ def test_every_endpoint_gets_every_event_and_one_down_endpoint_does_not_stop_the
         assert ("session_start", thread) in kinds and ("session_end", thread) in kinds
     assert [e["id"] for e in first.events()] == [e["id"] for e in second.events()]
     assert app.sink.failed == len(first.events()) and app.sink.sent == 2 * len(first.events())
+
+
+# --------------------------------------------------------------------------------------
+# A server that accepts connections and never answers
+# --------------------------------------------------------------------------------------
+
+
+def _wait_until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_a_silent_server_costs_counted_events_and_a_bounded_close():
+    server = FakeOpenAI()
+    thread = thread_id()
+    dropped_before = stats()["counts"].get("events_dropped", 0)
+    with SilentServer() as silent:
+        sink = EventSink(silent.url, timeout=30.0)  # a client timeout longer than any wait below
+        app = InstrumentedGraph(fan_out_app(server), sink=sink)  # posts the graph facts: 1 event
+        _wait_until(lambda: silent.accepted == 1)  # the worker is now stuck on that POST
+        app.invoke({"notes": []}, cfg(thread))  # facts + session_start, then session_end: 3 more
+        assert len(server.requests) == 6  # the app itself is unaffected
+        assert (sink.sent, sink.failed, sink.dropped, sink.pending) == (0, 0, 0, 4)
+        started = time.perf_counter()
+        sink.close()
+        elapsed = time.perf_counter() - started
+        assert CLOSE_TIMEOUT - 0.05 <= elapsed <= CLOSE_TIMEOUT + 0.5
+        assert (sink.sent, sink.failed, sink.dropped, sink.pending) == (0, 0, 4, 0)
+        sink.post([session_event("session_end", thread)])  # after close: dropped at once, counted
+        assert (sink.sent, sink.failed, sink.dropped, sink.pending) == (0, 0, 5, 0)
+    assert stats()["counts"]["events_dropped"] - dropped_before == 5
+
+
+def test_a_silent_server_times_out_into_failed_deliveries():
+    with SilentServer() as silent, SilentServer() as other:
+        sink = EventSink([silent.url, other.url], timeout=0.3)
+        sink.post([session_event("session_start", "s"), session_event("session_end", "s")])
+        assert sink.flush(5)
+        sink.close()
+    assert (sink.sent, sink.failed, sink.dropped, sink.pending) == (0, 4, 0, 0)  # 2 events x 2 endpoints
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, time
+sys.path.insert(0, {root!r})
+marks = {{}}
+atexit.register(lambda: print(f"exit wait {{time.monotonic() - marks['posted']:.3f}}", flush=True))
+from agentkv.frameworks._events import get_sink, session_event
+from tests.frameworks._fakes import SilentServer
+silent = SilentServer().__enter__()
+sink = get_sink(silent.url)
+sink.post([session_event("session_start", "s1")])
+sink.post([session_event("session_end", "s1")])
+marks["posted"] = time.monotonic()
+"""
+
+
+def test_events_still_pending_at_interpreter_exit_are_counted_and_exit_is_bounded():
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT.format(root=root)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    waited = float(done.stdout.split("exit wait ")[1])
+    assert waited <= CLOSE_TIMEOUT + 0.5
+    assert "sent 0, failed 0, dropped 2" in done.stderr

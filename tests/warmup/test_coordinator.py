@@ -20,6 +20,8 @@ from agentkv.frameworks import set_routing_key, tracker, use_tag
 from agentkv.graph import TransitionLearner
 from agentkv.protocol import AgentTag
 from agentkv.warmup import TaggedResponse, WarmupCoordinator, on_response
+from agentkv.warmup._coordinator import CLOSE_TIMEOUT
+from tests.frameworks._fakes import SilentServer
 
 from ._fake_vllm import BASE, FakeVLLM
 
@@ -490,6 +492,23 @@ def test_close_unsubscribes(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id
     coord.close()
     session(client, coord, clock, [f"a-{run_id}", f"b-{run_id}"], f"s-{run_id}")
     assert coord.anchors.agents() == [] and coord.stats()["queued"] == 0
+
+
+def test_close_is_bounded_while_a_job_hangs_on_a_silent_server() -> None:
+    with SilentServer() as silent:
+        coord = WarmupCoordinator(silent.url, learner=TransitionLearner(), timeout=30.0).start()
+        coord.warm("planner")  # the job first asks the server for its block size, and waits
+        deadline = time.monotonic() + 5
+        while silent.accepted == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        coord.warm("coder")
+        coord.warm("critic")  # both queued behind the stuck job
+        started = time.perf_counter()
+        coord.close()
+        elapsed = time.perf_counter() - started
+    assert CLOSE_TIMEOUT - 0.05 <= elapsed <= CLOSE_TIMEOUT + 0.5
+    assert coord.stats()["dropped"] == 2 and coord.stats()["queued"] == 0
 
 
 # --------------------------------------------------------------------------------------

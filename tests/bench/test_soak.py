@@ -1,0 +1,55 @@
+"""``agentkv bench soak``: a few seconds of traffic against the shared agentkv server, and the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from agentkv.__main__ import main
+from agentkv.bench.soak import SoakConfig, process_rss, run_soak
+from agentkv.bench.soak_cases import CASES, STATELESS_CASES, SoakContext
+
+
+def test_every_case_builds_a_request_for_loopback_paths():
+    rng = random.Random(0)
+    for name, (build, weight, _) in CASES.items():
+        request = build(SoakContext("tiny", api_key="k"), rng)
+        assert weight > 0 and request.method in ("GET", "POST") and request.path.startswith("/"), name
+    assert set(STATELESS_CASES) <= set(CASES)
+
+
+def test_refuses_anything_but_loopback_and_unknown_cases():
+    with pytest.raises(SystemExit, match="only sends to loopback"):
+        run_soak(SoakConfig(minutes=0.01), "http://192.0.2.1:8000", None)
+    with pytest.raises(ValueError, match="unknown soak cases"):
+        run_soak(SoakConfig(minutes=0.01, cases=["nope"]), "http://127.0.0.1:9", None)
+
+
+def test_process_rss_reads_proc():
+    rss = process_rss(os.getpid())
+    assert rss["api_server"] > 0
+
+
+@pytest.mark.server
+def test_soak_command_against_a_real_server(agentkv_server, tmp_path, capsys):
+    main(["bench", "soak", "--url", agentkv_server.base_url, "--pid", str(agentkv_server.pid), "--minutes", "0.1",
+          "--concurrency", "2", "--cases", ",".join(STATELESS_CASES), "--rss-interval", "2", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "soak.json").read_text())
+    printed = capsys.readouterr().out
+    assert set(report) == {"url", "seconds", "requests", "statuses", "server_errors", "lost", "lost_by_error",
+                           "by_case", "rss", "config"}
+    assert 6 <= report["seconds"] < 6 + 70  # the time bound, plus at most one request timeout
+    assert report["requests"] > 0
+    assert report["requests"] == sum(report["statuses"].values()) + report["lost"]
+    assert report["server_errors"] == sum(n for code, n in report["statuses"].items() if int(code) >= 500)
+    assert set(report["by_case"]) <= set(STATELESS_CASES)
+    assert sum(sum(c.values()) for c in report["by_case"].values()) == report["requests"]
+    assert report["by_case"]["valid_untagged"].get("200", 0) > 0
+    assert len(report["rss"]) >= 3  # at start, every 2 s, at the end
+    for sample in report["rss"]:
+        assert sample["processes"]["api_server"] > 0 and len(sample["processes"]) >= 2  # + the EngineCore
+        assert sample["total_mb"] == pytest.approx(sum(sample["processes"].values()), abs=0.2)
+    assert printed.startswith(f"soak: {report['requests']} requests") and "RSS (MB)" in printed

@@ -1,0 +1,98 @@
+"""``agentkv cluster up`` / ``cluster down`` run as a user runs them: the command line, in a subprocess.
+
+The fixture in conftest.py builds ``Cluster`` directly; this test goes through argument parsing and
+``_up``, which once passed the sync interval where the router arguments belong and never started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentkv.cluster import _state_file
+from agentkv.protocol import STATS_PATH, AgentTag
+
+from .conftest import BLOCK
+
+pytestmark = pytest.mark.server
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT = 600.0
+
+
+def _agentkv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentkv", *args]
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_for_state(up: subprocess.Popen[str], state: Path) -> dict:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if up.poll() is not None:
+            output = up.stdout.read() if up.stdout else ""
+            pytest.fail(f"`agentkv cluster up` exited with {up.returncode} before it was up:\n{output[-4000:]}")
+        if state.exists():
+            return json.loads(state.read_text())
+        time.sleep(1.0)
+    pytest.fail(f"`agentkv cluster up` not up after {START_TIMEOUT:.0f} s")
+
+
+def test_cluster_up_and_down_from_the_command_line(tiny_model_dir: Path) -> None:
+    name = f"pytest-cli-{uuid.uuid4().hex[:6]}"
+    state = _state_file(name)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    up = subprocess.Popen(
+        _agentkv("cluster", "up", "--replicas", "2", "--router-policy", "kv_aware", "--sync-interval", "1",
+                 "--name", name, str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "bfloat16",
+                 "--max-model-len", "2048", "--block-size", str(BLOCK), "--num-gpu-blocks-override", "81",
+                 "--enforce-eager"),
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    recorded: dict = {}
+    try:
+        recorded = _wait_for_state(up, state)
+        assert recorded["pid"] == up.pid and len(recorded["replicas"]) == 2
+        for index, replica in enumerate(recorded["replicas"]):
+            stats = httpx.get(replica + STATS_PATH, trust_env=False, timeout=30)
+            assert stats.status_code == 200
+            assert stats.json()["learner"]["replica"] == f"{name}-replica-{index}"
+        tag = AgentTag("planner", "cli-1", "", 0)
+        response = httpx.post(recorded["router"] + "/v1/completions", trust_env=False, timeout=120,
+                              json={"model": "tiny", "prompt": [11] * (2 * BLOCK), "max_tokens": 1},
+                              headers=tag.to_headers())
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == 2 * BLOCK
+
+        down = subprocess.run(_agentkv("cluster", "down", "--name", name), cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=180)
+        assert down.returncode == 0, down.stderr
+        assert down.stdout.strip() == f"cluster {name!r} stopped"
+        assert up.wait(timeout=30) == 0
+        assert not state.exists()
+        for replica in recorded["replicas"]:
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(replica + "/health", trust_env=False, timeout=2)
+    finally:
+        for pgid in recorded.get("pgids", []):
+            _kill_group(pgid)
+        _kill_group(up.pid)
+        up.wait(timeout=30)
+        if up.stdout:
+            up.stdout.close()
+        state.unlink(missing_ok=True)
