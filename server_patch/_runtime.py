@@ -421,6 +421,7 @@ class AgentKVRuntime:
                 accepted += 1
                 if event["type"] in ("session_end", "cancel"):
                     self.learner.end_session(event["session"])
+                    self.timing.end(event["session"])
             else:
                 duplicates += 1
         return {"accepted": accepted, "duplicates": duplicates}

@@ -218,7 +218,7 @@ class ReuseTable:
 def score_reuse(
     chain: ChainModel,
     gaps: GapTable,
-    sessions: Sequence[tuple[str, str, float]],
+    sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, float]],
     *,
     now: float,
     session_start_rate: float,
@@ -231,7 +231,8 @@ def score_reuse(
 ) -> ReuseTable:
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
-    ``sessions``: (session, current agent, last arrival) of the live sessions;
+    ``sessions``: (session, current agent, last arrival[, P(the session ends after its current
+    dispatch), from the lengths of ended sessions]) of the live sessions;
     ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of a is
     followed by another request of the same dispatch); ``interposed[a]``: calls of a made
     between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
@@ -247,14 +248,16 @@ def score_reuse(
     mean_gap = max(gaps.mean_gap, config.min_time)
     ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
 
-    known = [(s, index[a], now - seen, a) for s, a, seen in sessions if a in index]
+    known = [(entry[0], index[entry[1]], now - entry[2], entry[1], entry[3] if len(entry) > 3 else 0.0)
+             for entry in sessions if entry[1] in index]
     rows = np.array([k[1] for k in known], dtype=np.intp)
     idle = np.array([max(k[2], 0.0) for k in known])
     gap_rows = np.array([gaps.row(k[3]) for k in known], dtype=np.intp)
     if len(known):
         still, remaining = gaps.at(gap_rows, idle)
         row_sums = matrix[rows].sum(axis=1)
-        stays = np.clip(row_sums, 0.0, 1.0 - config.end_floor)
+        ends_here = np.array([k[4] for k in known])  # learned from session lengths
+        stays = np.clip(np.minimum(row_sums, 1.0 - ends_here), 0.0, 1.0 - config.end_floor)
         alive = stays * still / (stays * still + (1.0 - stays))  # P(another request comes | idle so long)
         soon = np.maximum(remaining, config.min_time)
         weights = 1.0 / (soon[None, :] + ahead[:, None])  # (steps, sessions)

@@ -15,6 +15,9 @@ __all__ = ["GapTable", "SessionTiming", "TimingConfig"]
 _EDGES = np.geomspace(0.02, 7200.0, 49)
 _CENTERS = np.sqrt(_EDGES[:-1] * _EDGES[1:])
 _BINS = len(_CENTERS)
+_MAX_LENGTH = 64  # session lengths (dispatches) are counted up to this; longer ones share the last bin
+_LENGTH_DECAY = 0.995  # per ended session
+_MIN_ENDED = 10
 # _INVERSE_LEFT[j, b] = 1 / (time left in bin b for a gap that reached edge j), 0 for b < j
 _INVERSE_LEFT = np.triu(1.0 / np.maximum(_CENTERS[None, :] - _EDGES[:-1, None], 1e-3))
 
@@ -44,6 +47,7 @@ class _Session:
     agent: str
     seen: float  # arrival time of the session's last request
     step: int | None
+    dispatches: int  # dispatches so far (a tool loop's requests share one)
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,9 @@ class SessionTiming:
 
     Learned from request arrivals only (what the server sees): the gap after an agent's request
     covers its own generation plus tool time or the hand-off to the next agent. Also tracks each
-    live session's last request, how often a request is followed by another request of the same
-    dispatch (an agent's tool loop), and the rate at which new sessions start.
+    live session's last request and dispatch count, how often a request is followed by another
+    request of the same dispatch (an agent's tool loop), the rate at which new sessions start, and
+    how many dispatches ended sessions lasted (the hazard that a session ends where it is).
 
     Invariants: ``_hist[agent]`` holds decayed gap counts per bin (multiplied by
     ``_weight[agent]``); ``_sessions`` is ordered by last arrival, oldest first, and bounded.
@@ -99,6 +104,7 @@ class SessionTiming:
         self._first_start: float | None = None
         self._last_start = 0.0
         self._start_interval = math.inf  # EWMA of the time between session starts
+        self._lengths = np.zeros(_MAX_LENGTH)  # decayed counts of ended sessions by dispatches
         self.version = 0
 
     # -- learning --------------------------------------------------------------------
@@ -106,6 +112,7 @@ class SessionTiming:
     def observe(self, session: str, agent: str, now: float, step: int | None = None) -> None:
         """A request of ``agent`` in ``session`` arrived at ``now``."""
         previous = self._sessions.pop(session, None)
+        dispatches = 1
         if previous is None:
             self._note_start(now)
         else:
@@ -113,14 +120,28 @@ class SessionTiming:
             same_dispatch = step is not None and previous.step == step and previous.agent == agent
             counts = self._continued if same_dispatch else self._handed_off
             counts[previous.agent] = counts.get(previous.agent, 0) + 1
-        self._sessions[session] = _Session(agent, now, step)
+            dispatches = previous.dispatches + (not same_dispatch)
+        self._sessions[session] = _Session(agent, now, step, dispatches)
         if len(self._sessions) > self.config.max_sessions:
             self._sessions.popitem(last=False)
         self.version += 1
 
     def end(self, session: str) -> None:
-        if self._sessions.pop(session, None) is not None:
+        """The session is over (an event, or idle beyond its learned gaps): learn its length."""
+        state = self._sessions.pop(session, None)
+        if state is not None:
+            self._lengths *= _LENGTH_DECAY
+            self._lengths[min(state.dispatches, _MAX_LENGTH) - 1] += 1.0
             self.version += 1
+
+    def end_hazard(self, dispatches: int) -> float:
+        """P(a session ends after its ``dispatches``-th dispatch | it lasted that long), learned
+        from the lengths of ended sessions (0 until ``_MIN_ENDED`` have ended)."""
+        if self._lengths.sum() < _MIN_ENDED:
+            return 0.0
+        n = min(dispatches, _MAX_LENGTH) - 1
+        tail = float(self._lengths[n:].sum())
+        return float(self._lengths[n]) / (tail + 1.0)  # +1: one unseen longer session keeps it below 1
 
     def _note_start(self, now: float) -> None:
         self._starts += 1
@@ -169,9 +190,11 @@ class SessionTiming:
         """How many agents have a gap distribution of their own (the rows of ``table``)."""
         return len(self._hist)
 
-    def sessions(self) -> list[tuple[str, str, float]]:
-        """(session, current agent, last arrival) of every live session, oldest first."""
-        return [(s, state.agent, state.seen) for s, state in self._sessions.items()]
+    def sessions(self) -> list[tuple[str, str, float, float]]:
+        """(session, current agent, last arrival, P(it ends here)) of every live session, oldest first."""
+        hazards = [self.end_hazard(n) for n in range(1, _MAX_LENGTH + 1)]
+        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH) - 1])
+                for s, state in self._sessions.items()]
 
     def last_seen(self, session: str) -> float | None:
         state = self._sessions.get(session)

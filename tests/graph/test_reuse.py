@@ -202,3 +202,18 @@ def test_timing_state_is_bounded():
     for n in range(1000):
         timing.observe(f"new{n}", "agent0", 1000.0 + n)
     assert len(timing.sessions()) == 10
+
+
+def test_session_lengths_give_the_hazard_of_ending_here():
+    timing = SessionTiming()
+    assert timing.end_hazard(3) == 0.0  # nothing ended yet: no opinion
+    for n in range(20):  # every session runs exactly 3 dispatches, then ends
+        for step in range(3):
+            timing.observe(f"s{n}", "xyz"[step], 10.0 * n + step, step=step)
+        timing.end(f"s{n}")
+    assert timing.end_hazard(1) == 0.0
+    assert timing.end_hazard(3) > 0.9
+    timing.observe("live", "x", 500.0, step=0)
+    timing.observe("live", "y", 501.0, step=1)
+    timing.observe("live", "z", 502.0, step=2)
+    assert timing.sessions()[-1][3] == pytest.approx(timing.end_hazard(3))
