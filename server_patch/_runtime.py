@@ -20,6 +20,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
 from agentkv.graph import (
+    FactsFull,
     GraphFacts,
     LearnerConfig,
     PeerExport,
@@ -36,11 +37,13 @@ from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, Proto
 from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
 from ._tracker import UNTAGGED, AnchorLengths, BlockTracker
 
-__all__ = ["AgentKVRuntime", "RuntimeConfig"]
+__all__ = ["OTHER", "AgentKVRuntime", "RuntimeConfig"]
 
 logger = logging.getLogger("agentkv.server")
 
 _RETIRED = -math.inf
+PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
+OTHER = "(other)"  # not a valid agent id, so it never collides with an agent's name
 _MAX_CACHED_TAGS = 65_536
 
 
@@ -64,6 +67,11 @@ class RuntimeConfig:
     decay: float = DEFAULT_DECAY
     untagged_survival: float = 0.5
     snapshot_path: str | None = None
+    snapshot_interval: float = 30.0  # seconds between periodic saves (0: only at shutdown)
+    listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER
+    tracked_agents: int = 1024  # per-agent counters kept; later agents are counted as OTHER
+    max_peers: int = 32
+    peer_weight: float = 4.0  # a peer's counts weigh at most this multiple of the local evidence
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @classmethod
@@ -83,6 +91,10 @@ class RuntimeConfig:
             decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
             untagged_survival=_env_float(env, "AGENTKV_UNTAGGED_SURVIVAL", defaults.untagged_survival),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
+            snapshot_interval=_env_float(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),
+            listed_agents=int(_env_float(env, "AGENTKV_STATS_TOP_AGENTS", defaults.listed_agents)),
+            max_peers=int(_env_float(env, "AGENTKV_MAX_PEERS", defaults.max_peers)),
+            peer_weight=_env_float(env, "AGENTKV_PEER_WEIGHT", defaults.peer_weight),
             replica=env.get("AGENTKV_REPLICA") or defaults.replica,
         )
 
@@ -106,6 +118,7 @@ class AgentKVRuntime:
         else:
             self.learner, self.facts = TransitionLearner(self.config.learner), GraphFacts()
         self.learner.clock = clock
+        self.learner.peers.max_replicas = self.config.max_peers
         self.predictor = Predictor(self.learner, self.facts)
         self.scorer = SurvivalScorer(self.predictor, self.config.survival)
         self.tracker = BlockTracker()
@@ -119,6 +132,7 @@ class AgentKVRuntime:
         self.hits: Counter[str] = Counter()
         self.tagged_requests = 0
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
+        self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int] | None = None
         # Per agent: how often a request was followed, in its session, by another request of
         # the same dispatch (same agent and step: a tool loop) or by another dispatch.
@@ -176,8 +190,7 @@ class AgentKVRuntime:
             tag = self.tag_of(request)
             # warm-ups are agentkv's own traffic: the agent's hit rate is its real calls'
             if tag is not None and not tag.warmup and manager.prefix_cache_lookup_enabled(request):
-                self.queries[tag.agent] += request.num_tokens
-                self.hits[tag.agent] += num_hits
+                self._count_traffic(tag.agent, request.num_tokens, num_hits)
 
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
@@ -222,9 +235,9 @@ class AgentKVRuntime:
         last = self._last_dispatch.pop(session, None)
         if last is not None:
             if step is not None and last == (agent, step):
-                self.continued[agent] += 1
+                self.continued[self._tracked(self.continued, agent)] += 1
             else:
-                self.handed_off[last[0]] += 1
+                self.handed_off[self._tracked(self.handed_off, last[0])] += 1
         self._last_dispatch[session] = (agent, step)
         if len(self._last_dispatch) > self.config.learner.max_sessions:
             self._last_dispatch.popitem(last=False)
@@ -320,17 +333,22 @@ class AgentKVRuntime:
                 return self.learner.export_counts(self.config.replica, self.epoch).to_json()
             if op == "merge":
                 return self.merge(request.get("payload"))
+            if op == "save":
+                return {"saved": self.save_if_changed()}
             return {"error": f"unknown control op {op!r}"}
 
     def merge(self, payload: object) -> dict[str, Any]:
         """Merge another replica's exported counts (docs/protocol.md §2.3)."""
         try:
-            export = PeerExport.from_json(payload if isinstance(payload, dict) else {})
+            export = PeerExport.from_json(payload, max_agents=self.config.learner.max_agents)
         except ValueError as exc:
-            return {"error": str(exc), "status": 400}
+            return {"error": f"merge refused: {exc}", "status": 400}
+        if export.total_weight() > self._max_peer_weight():
+            return {"error": f"merge refused: counts total {export.total_weight():.3g}, more than a replica "
+                             f"can learn ({self._max_peer_weight():.3g})", "status": 400}
         if export.replica == self.config.replica and export.epoch == self.epoch:
             return {"merged": False, "reason": "own export"}
-        return {"merged": self.learner.merge_peer(export)}
+        return {"merged": self.learner.merge_peer(self._bounded_influence(export))}
 
     def apply_events(self, payload: object) -> dict[str, Any]:
         try:
@@ -339,7 +357,12 @@ class AgentKVRuntime:
             return {"error": str(exc), "status": 400}
         accepted = duplicates = 0
         for event in events:
-            if self.facts.apply(event):
+            try:
+                applied = self.facts.apply(event)
+            except FactsFull as exc:
+                return {"error": f"{exc} (cap, docs/server.md); {accepted} earlier events applied",
+                        "status": 400, "accepted": accepted, "duplicates": duplicates}
+            if applied:
                 accepted += 1
                 if event["type"] in ("session_end", "cancel"):
                     self.learner.end_session(event["session"])
@@ -350,7 +373,6 @@ class AgentKVRuntime:
     def stats(self) -> dict[str, Any]:
         table = self.table
         blocks = self.tracker.blocks_by_agent()
-        agents = sorted(set(self.queries) | set(blocks) | set(self.learner.agents))
         chain = self.predictor.chain()
         transitions = {
             a: {b: round(float(p), 4) for b, p in zip(chain.agents, chain.matrix[i], strict=True) if p >= 0.05}
@@ -365,22 +387,8 @@ class AgentKVRuntime:
             "top1_accuracy": self.learner.accuracy,
             "dispatches": self.learner.dispatches,
             "tagged_requests": self.tagged_requests,
-            "sessions": {
-                "active": len(self.learner.session_agents()),
-                "ended": len(self.facts.ended),
-                "current": self.learner.session_agents(),
-            },
-            "agents": {
-                agent: {
-                    "queries": self.queries[agent],
-                    "hits": self.hits[agent],
-                    "anchor_blocks": blocks.get(agent, Counter())["anchor"],
-                    "history_blocks": blocks.get(agent, Counter())["history"],
-                    "survival": table.agent(agent) if table is not None else 1.0,
-                    "anchor_length_blocks": self.anchors.length(agent),
-                }
-                for agent in agents
-            },
+            "sessions": self._session_stats(),
+            "agents": self._agent_stats(blocks, table),
             "transitions": transitions,
             "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},
             "learner": {
@@ -403,3 +411,72 @@ class AgentKVRuntime:
         if self.config.snapshot_path:
             with self.lock:
                 save_snapshot(self.config.snapshot_path, self.learner, self.facts)
+                self._saved_version = (self.learner.version, self.facts.version)
+
+    # -- bounds (docs/server.md, "Limits") ------------------------------------------
+
+    def save_if_changed(self) -> bool:
+        """Save the snapshot unless nothing learned changed since the last save; True if written."""
+        with self.lock:
+            if not self.config.snapshot_path or self._saved_version == (self.learner.version, self.facts.version):
+                return False
+            self.save()
+            return True
+
+    def _max_peer_weight(self) -> float:
+        """Three times the most a decayed learner can hold per part (transitions, entries, ends), doubled."""
+        half_life = self.config.learner.half_life
+        if half_life is None:
+            return 1e12
+        return 6.0 / (1.0 - 2.0 ** (-1.0 / half_life))
+
+    def _bounded_influence(self, export: PeerExport) -> PeerExport:
+        """Scale a peer's counts down to at most ``peer_weight`` x this replica's own evidence
+        (at least ``peer_weight`` x PEER_WEIGHT_FLOOR): a peer can inform, never drown, the local model."""
+        own = self.learner.export_counts(self.config.replica, self.epoch).total_weight()
+        cap = self.config.peer_weight * max(own, PEER_WEIGHT_FLOOR)
+        total = export.total_weight()
+        return export.scaled(cap / total) if total > cap else export
+
+    def _tracked(self, counter: Counter[str], agent: str) -> str:
+        """``agent`` while ``counter`` has room for it, else OTHER (per-agent counters stay bounded)."""
+        if agent in counter or len(counter) < self.config.tracked_agents:
+            return agent
+        return OTHER
+
+    def _count_traffic(self, agent: str, tokens: int, hits: int) -> None:
+        key = self._tracked(self.queries, agent)
+        self.queries[key] += tokens
+        self.hits[key] += hits
+
+    def _session_stats(self) -> dict[str, Any]:
+        live = self.learner.session_agents()
+        recent = list(live.items())[-self.config.listed_agents :]  # the most recently active ones
+        return {"active": len(live), "ended": len(self.facts.ended), "current": dict(recent)}
+
+    def _agent_stats(self, blocks: Mapping[str, Counter[str]], table: SurvivalTable | None) -> dict[str, Any]:
+        """Per-agent rows for the ``listed_agents`` agents with the most traffic, the rest summed as OTHER."""
+        names = set(self.queries) | set(blocks) | set(self.learner.agents)
+        ranked = sorted(names, key=lambda a: (-self.queries[a], a))
+        listed, rest = ranked[: self.config.listed_agents], ranked[self.config.listed_agents :]
+        rows: dict[str, Any] = {}
+        for agent in sorted(listed):
+            held = blocks.get(agent, Counter())
+            rows[agent] = {
+                "queries": self.queries[agent],
+                "hits": self.hits[agent],
+                "anchor_blocks": held["anchor"],
+                "history_blocks": held["history"],
+                "survival": table.agent(agent) if table is not None and agent != OTHER else 1.0,
+                "anchor_length_blocks": self.anchors.length(agent),
+            }
+        if rest:
+            other = rows.setdefault(OTHER, {"queries": 0, "hits": 0, "anchor_blocks": 0, "history_blocks": 0,
+                                            "survival": 0.0, "anchor_length_blocks": 0})
+            for agent in rest:
+                held = blocks.get(agent, Counter())
+                other["queries"] += self.queries[agent]
+                other["hits"] += self.hits[agent]
+                other["anchor_blocks"] += held["anchor"]
+                other["history_blocks"] += held["history"]
+        return rows
