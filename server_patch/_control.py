@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-__all__ = ["ControlServer", "ControlUnavailable", "ask", "control_endpoint"]
+__all__ = ["ControlServer", "ControlUnavailable", "ask", "ask_blocking", "control_endpoint"]
 
 logger = logging.getLogger("agentkv.server")
 
@@ -106,5 +106,19 @@ async def ask(endpoint: str, request: dict[str, Any], timeout: float = 5.0) -> d
         if not await socket.poll(int(timeout * 1000)):
             raise ControlUnavailable(f"the engine did not answer on {endpoint} within {timeout:.0f} s")
         return json.loads(await socket.recv())
+    finally:
+        socket.close()
+
+
+def ask_blocking(endpoint: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """``ask`` for threads without an event loop (vLLM runs its engine shutdown in an executor)."""
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        socket.send(json.dumps(request).encode())
+        if not socket.poll(int(timeout * 1000)):
+            raise ControlUnavailable(f"the engine did not answer on {endpoint} within {timeout:.0f} s")
+        return json.loads(socket.recv())
     finally:
         socket.close()

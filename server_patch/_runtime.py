@@ -35,6 +35,7 @@ from agentkv.graph import (
 from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_events
 
 from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
+from ._rows import OTHER, agent_rows, tracked
 from ._tracker import UNTAGGED, AnchorLengths, BlockTracker
 
 __all__ = ["OTHER", "AgentKVRuntime", "RuntimeConfig"]
@@ -43,7 +44,6 @@ logger = logging.getLogger("agentkv.server")
 
 _RETIRED = -math.inf
 PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
-OTHER = "(other)"  # not a valid agent id, so it never collides with an agent's name
 _MAX_CACHED_TAGS = 65_536
 
 
@@ -439,10 +439,7 @@ class AgentKVRuntime:
         return export.scaled(cap / total) if total > cap else export
 
     def _tracked(self, counter: Counter[str], agent: str) -> str:
-        """``agent`` while ``counter`` has room for it, else OTHER (per-agent counters stay bounded)."""
-        if agent in counter or len(counter) < self.config.tracked_agents:
-            return agent
-        return OTHER
+        return tracked(counter, agent, self.config.tracked_agents)
 
     def _count_traffic(self, agent: str, tokens: int, hits: int) -> None:
         key = self._tracked(self.queries, agent)
@@ -455,28 +452,7 @@ class AgentKVRuntime:
         return {"active": len(live), "ended": len(self.facts.ended), "current": dict(recent)}
 
     def _agent_stats(self, blocks: Mapping[str, Counter[str]], table: SurvivalTable | None) -> dict[str, Any]:
-        """Per-agent rows for the ``listed_agents`` agents with the most traffic, the rest summed as OTHER."""
         names = set(self.queries) | set(blocks) | set(self.learner.agents)
-        ranked = sorted(names, key=lambda a: (-self.queries[a], a))
-        listed, rest = ranked[: self.config.listed_agents], ranked[self.config.listed_agents :]
-        rows: dict[str, Any] = {}
-        for agent in sorted(listed):
-            held = blocks.get(agent, Counter())
-            rows[agent] = {
-                "queries": self.queries[agent],
-                "hits": self.hits[agent],
-                "anchor_blocks": held["anchor"],
-                "history_blocks": held["history"],
-                "survival": table.agent(agent) if table is not None and agent != OTHER else 1.0,
-                "anchor_length_blocks": self.anchors.length(agent),
-            }
-        if rest:
-            other = rows.setdefault(OTHER, {"queries": 0, "hits": 0, "anchor_blocks": 0, "history_blocks": 0,
-                                            "survival": 0.0, "anchor_length_blocks": 0})
-            for agent in rest:
-                held = blocks.get(agent, Counter())
-                other["queries"] += self.queries[agent]
-                other["hits"] += self.hits[agent]
-                other["anchor_blocks"] += held["anchor"]
-                other["history_blocks"] += held["history"]
-        return rows
+        survival = (lambda a: 1.0) if table is None else table.agent
+        return agent_rows(names, self.queries, self.hits, blocks, survival, self.anchors.length,
+                          self.config.listed_agents)

@@ -16,10 +16,11 @@ anything else, see _guard.py), and every body it parses is bounded in size and d
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
-import signal
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -37,7 +38,7 @@ from agentkv.protocol import (
     parse_xargs,
 )
 
-from ._control import ControlUnavailable, ask, control_endpoint
+from ._control import ControlUnavailable, ask, ask_blocking, control_endpoint
 from ._guard import ApiKeyGuard, BodyError, parse_json
 from ._metrics import render_metrics
 
@@ -60,7 +61,8 @@ _MAX_REQUEST_DEPTH = 128  # completion bodies re-encoded here (JSON schemas nest
 
 
 class AgentKVMiddleware:
-    """Invariant: a request without agentkv metadata passes through byte for byte."""
+    """Invariants: a request without agentkv metadata passes through byte for byte; with an API
+    key configured, no ``/agentkv/*`` request is acted on (or its body read) without it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -73,11 +75,10 @@ class AgentKVMiddleware:
         self.sync_failures: Counter[str] = Counter()  # per peer; the first failure is logged
         self._sync_task: asyncio.Task[None] | None = None
         self._guard: ApiKeyGuard | None = None
-        self._stop_tasks: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self.app(scope, self._on_startup(receive), send)
+            await self.app(scope, self._on_startup(scope, receive), send)
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -87,7 +88,7 @@ class AgentKVMiddleware:
         if self.peers and self._sync_task is None:
             self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
         path, method = scope["path"], scope["method"]
-        authorized = self._guard.allows(scope)
+        authorized = method == "OPTIONS" or self._guard.allows(scope)  # vLLM lets preflights through too
         if path.startswith(_AGENTKV_PREFIX) and not authorized:
             await _json(send, 401, {"error": "Unauthorized"})  # vLLM's own answer on /v1
         elif path in _TAGGED_PATHS and method == "POST" and not authorized:
@@ -243,50 +244,45 @@ class AgentKVMiddleware:
             return
         await self._relay(send, {"op": op, "payload": payload})
 
-    # -- saving the learned state when the server is told to stop -------------------
+    # -- saving the learned state before vLLM stops the engine ------------------------
 
-    def _on_startup(self, receive: Receive) -> Receive:
-        """A lifespan receive() that chains the stop signals once the server starts."""
+    def _on_startup(self, scope: Scope, receive: Receive) -> Receive:
+        """A lifespan receive() that wraps the engine client's shutdown once the app starts."""
 
         async def observed() -> Message:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self._chain_stop_signals()
+                self._save_before_engine_shutdown(scope)
             return message
 
         return observed
 
-    def _chain_stop_signals(self) -> None:
-        """Ask the engine to save before vLLM's own SIGINT/SIGTERM handler shuts it down.
+    def _save_before_engine_shutdown(self, scope: Scope) -> None:
+        """Ask the EngineCore to save before vLLM shuts it down, whatever stops the server.
 
-        vLLM stops the engine client first (its process manager kills the EngineCore right
-        after SIGTERM), so the save must be requested from here, while the engine answers.
-        asyncio keeps a loop's signal callbacks in ``_signal_handlers`` (no public getter);
-        without it, the EngineCore's periodic save is the only one (AGENTKV_SNAPSHOT_INTERVAL).
+        On SIGINT/SIGTERM vLLM calls ``engine_client.shutdown`` first, and its process manager
+        kills the EngineCore right after its SIGTERM, too early for a save there. An instance
+        wrapper (as for the KV cache manager) puts the save first; the EngineCore's periodic
+        save (AGENTKV_SNAPSHOT_INTERVAL) covers any way around it.
         """
-        loop = asyncio.get_running_loop()
-        handlers = getattr(loop, "_signal_handlers", None)
-        if not isinstance(handlers, dict):
+        engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is None:
             return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous = handlers.get(sig)
-            if isinstance(previous, asyncio.Handle):
-                loop.add_signal_handler(sig, self._save_then, previous)
+        asked = threading.Event()
 
-    def _save_then(self, previous: asyncio.Handle) -> None:
-        async def save_then_stop() -> None:
-            try:
-                reply = await ask(self.endpoint, {"op": "save"}, self.timeout)
-                if reply.get("saved"):
-                    logger.info("agentkv: learned state saved before shutdown")
-            except ControlUnavailable as exc:
-                logger.warning("agentkv: could not save learned state at shutdown: %s", exc)
-            finally:
-                previous._run()  # vLLM's own handler (asyncio.Handle has no public call)
+        @functools.wraps(shutdown)
+        def saving_shutdown(*args: Any, **kwargs: Any) -> Any:
+            if not asked.is_set():  # once: afterwards the engine is gone and would only time out
+                asked.set()
+                try:
+                    if ask_blocking(self.endpoint, {"op": "save"}, self.timeout).get("saved"):
+                        logger.info("agentkv: learned state saved before shutdown")
+                except ControlUnavailable as exc:
+                    logger.warning("agentkv: could not save learned state at shutdown: %s", exc)
+            return shutdown(*args, **kwargs)
 
-        task = asyncio.get_running_loop().create_task(save_then_stop())
-        self._stop_tasks.add(task)
-        task.add_done_callback(self._stop_tasks.discard)
+        engine.shutdown = saving_shutdown
 
 
 async def _read_body(receive: Receive, limit: int | None = None) -> Any:

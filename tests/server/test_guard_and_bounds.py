@@ -17,6 +17,7 @@ from server_patch._control import ControlServer, ask
 from server_patch._guard import ApiKeyGuard, BodyError, json_depth, parse_json
 from server_patch._persist import PeriodicSave
 from server_patch._runtime import OTHER, AgentKVRuntime, RuntimeConfig
+from server_patch._tracker import AnchorLengths
 from server_patch.middleware import AgentKVMiddleware
 
 from .test_middleware import BODY, echo_app
@@ -252,3 +253,40 @@ def test_a_peer_weighs_at_most_a_multiple_of_the_local_evidence():
     runtime.merge(light)
     coder = runtime.learner.agents.index("coder")
     assert runtime.learner.peers.aligned(runtime.learner.agents)[0][:, coder].sum() == 5  # untouched
+
+
+def test_anchor_lengths_forget_the_least_recent_agents():
+    anchors = AnchorLengths(max_agents=2)
+    for number in range(5):
+        for session in ("s", "t"):
+            anchors.observe(f"agent-{number}", session, [1, 2, 3])
+    anchors.observe("agent-3", "u", [1, 2, 9])
+    anchors.observe("agent-9", "s", [1])
+    assert anchors.as_dict() == {"agent-3": 2}  # agent-4 was the least recently observed
+
+
+@pytest.mark.anyio
+async def test_the_engine_is_asked_to_save_before_vllm_shuts_it_down(tmp_path, monkeypatch):
+    endpoint = f"ipc://{tmp_path}/control.ipc"
+    monkeypatch.setenv("AGENTKV_CONTROL", endpoint)
+    runtime = AgentKVRuntime(RuntimeConfig(snapshot_path=str(tmp_path / "state.json")))
+    _learn_planner_to_coder(runtime)
+    server = ControlServer(endpoint, runtime.handle)
+    calls: list[str] = []
+    engine = SimpleNamespace(shutdown=lambda timeout=None: calls.append(f"shutdown {timeout}"))
+    app_scope = {"type": "lifespan", "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}
+
+    async def lifespan_app(scope, receive, send):
+        assert (await receive())["type"] == "lifespan.startup"
+
+    async def startup():
+        return {"type": "lifespan.startup"}
+
+    try:
+        await AgentKVMiddleware(lifespan_app)(app_scope, startup, None)
+        await asyncio.to_thread(engine.shutdown, timeout=0)  # as vLLM's launcher calls it
+        await asyncio.to_thread(engine.shutdown, timeout=0)
+    finally:
+        server.close()
+    assert calls == ["shutdown 0", "shutdown 0"]
+    assert set(load_snapshot(tmp_path / "state.json")[0].agents) == {"planner", "critic", "coder"}
