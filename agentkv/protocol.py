@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -41,6 +41,7 @@ __all__ = [
     "MalformedCounter",
     "ParseResult",
     "ProtocolError",
+    "parse_header_list",
     "parse_headers",
     "parse_xargs",
     "validate_events",
@@ -70,6 +71,7 @@ MERGE_PATH: Final = "/agentkv/v1/merge"
 MAX_ID_LENGTH: Final = 128
 _ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 _MAX_STEP: Final = 2**63 - 1
+_OWS: Final = " \t"  # HTTP's optional whitespace around a header value
 
 logger = logging.getLogger("agentkv.protocol")
 
@@ -226,7 +228,7 @@ def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseR
     ``X-Session-ID`` alone does not make a tag, but it stands in for a missing
     ``X-AgentKV-Session``.
     """
-    lowered = {k.lower(): v for k, v in headers.items()}
+    lowered = {k.lower(): v.strip(_OWS) for k, v in headers.items()}
     values: dict[str, object] = {}
     for key, header, _ in _FIELDS:
         if header.lower() in lowered:
@@ -234,6 +236,28 @@ def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseR
     if values and "session" not in values and HEADER_VLLM_SESSION.lower() in lowered:
         values["session"] = lowered[HEADER_VLLM_SESSION.lower()]
     return _parse(values, {key: header for key, header, _ in _FIELDS}, strict)
+
+
+def parse_header_list(pairs: Iterable[tuple[str, str]]) -> ParseResult:
+    """Lenient parse of a request's raw header list, as HTTP reads it: optional whitespace
+    around a value is stripped, and an agentkv header or ``X-Session-ID`` sent more than once
+    is malformed (agentkv and vLLM could otherwise read different values)."""
+    wanted = {header.lower(): header for _, header, _ in _FIELDS} | {HEADER_VLLM_SESSION.lower(): HEADER_VLLM_SESSION}
+    values: dict[str, str] = {}
+    repeated: list[InvalidMetadata] = []
+    for name, value in pairs:
+        header = wanted.get(name.lower())
+        if header is None:
+            continue
+        if header in values:
+            if all(e.field != header for e in repeated):
+                repeated.append(InvalidMetadata(header, "sent more than once"))
+            continue
+        values[header] = value
+    result = parse_headers(values)
+    if not repeated:
+        return result
+    return ParseResult(None, (*repeated, *result.errors))
 
 
 def parse_xargs(xargs: Mapping[str, object] | None, *, strict: bool = False) -> ParseResult:
@@ -287,9 +311,9 @@ EVENTS_SCHEMA: Final[dict[str, Any]] = {
                             "id": _ID_SCHEMA,
                             "app": _ID_SCHEMA,
                             "nodes": {"type": "array", "items": _ID_SCHEMA, "maxItems": 1024},
-                            "edges": {"type": "array", "items": _EDGE_SCHEMA},
-                            "conditional_edges": {"type": "array", "items": _EDGE_SCHEMA},
-                            "entry": {"type": "array", "items": _ID_SCHEMA},
+                            "edges": {"type": "array", "items": _EDGE_SCHEMA, "maxItems": 4096},
+                            "conditional_edges": {"type": "array", "items": _EDGE_SCHEMA, "maxItems": 4096},
+                            "entry": {"type": "array", "items": _ID_SCHEMA, "maxItems": 1024},
                         },
                     },
                     {
@@ -368,4 +392,25 @@ def validate_events(payload: object) -> list[dict[str, Any]]:
         where = "/".join(str(p) for p in error.absolute_path) or "body"
         raise ProtocolError(f"invalid events payload at {where}: {error.message}")
     assert isinstance(payload, dict)
-    return list(payload["events"])
+    events = list(payload["events"])
+    for number, event in enumerate(events):  # the schema's pattern lets "id\n" through; validate_id does not
+        for field, value in _event_ids(event):
+            try:
+                validate_id(value, field)
+            except InvalidMetadata as exc:
+                raise ProtocolError(f"invalid events payload at events/{number}/{exc}") from None
+    return events
+
+
+def _event_ids(event: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
+    """Every id an event names (START/END included: they match the id alphabet too)."""
+    for field in ("id", "app", "session"):
+        if field in event:
+            yield field, event[field]
+    for field in ("nodes", "entry"):
+        for value in event.get(field, ()):
+            yield field, value
+    for field in ("edges", "conditional_edges"):
+        for edge in event.get(field, ()):
+            for value in edge:
+                yield field, value

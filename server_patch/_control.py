@@ -12,17 +12,19 @@ import logging
 import os
 import tempfile
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-__all__ = ["ControlServer", "ControlUnavailable", "ask", "control_endpoint"]
+__all__ = ["ControlServer", "ControlUnavailable", "ask", "ask_blocking", "control_endpoint"]
 
 logger = logging.getLogger("agentkv.server")
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+_MAX_LOGGED_KINDS = 16
 
 
 class ControlUnavailable(RuntimeError):
@@ -47,6 +49,7 @@ class ControlServer:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self.failures: Counter[str] = Counter()  # by exception type
         self._thread = threading.Thread(target=self._serve, name="agentkv-control", daemon=True)
         self._thread.start()
         self._ready.wait(5)
@@ -74,11 +77,18 @@ class ControlServer:
                 try:
                     reply = self._handler(json.loads(raw))
                 except Exception as exc:  # the channel must survive any bad request
-                    logger.exception("agentkv: control request failed")
+                    self._report(exc)
                     reply = {"error": f"{type(exc).__name__}: {exc}"}
                 socket.send(json.dumps(reply).encode())
         finally:
             socket.close()
+
+    def _report(self, exc: Exception) -> None:
+        """A traceback for the first failure of each kind, then only a count (no log flood)."""
+        kind = type(exc).__name__
+        self.failures[kind] += 1
+        if self.failures[kind] == 1 and len(self.failures) <= _MAX_LOGGED_KINDS:
+            logger.exception("agentkv: control request failed; further %s failures are only counted", kind)
 
     def close(self) -> None:
         self._stop.set()
@@ -96,5 +106,19 @@ async def ask(endpoint: str, request: dict[str, Any], timeout: float = 5.0) -> d
         if not await socket.poll(int(timeout * 1000)):
             raise ControlUnavailable(f"the engine did not answer on {endpoint} within {timeout:.0f} s")
         return json.loads(await socket.recv())
+    finally:
+        socket.close()
+
+
+def ask_blocking(endpoint: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """``ask`` for threads without an event loop (vLLM runs its engine shutdown in an executor)."""
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        socket.send(json.dumps(request).encode())
+        if not socket.poll(int(timeout * 1000)):
+            raise ControlUnavailable(f"the engine did not answer on {endpoint} within {timeout:.0f} s")
+        return json.loads(socket.recv())
     finally:
         socket.close()

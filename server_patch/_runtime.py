@@ -21,6 +21,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import (
+    FactsFull,
     GapTable,
     GraphFacts,
     Group,
@@ -41,14 +42,16 @@ from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, Proto
 
 from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
 from ._recognize import Recognizer
+from ._rows import OTHER, agent_rows, tracked
 from ._tracker import AnchorLengths, BlockTracker
 from ._warmups import WarmupLedger
 
-__all__ = ["AgentKVRuntime", "RuntimeConfig"]
+__all__ = ["OTHER", "AgentKVRuntime", "RuntimeConfig"]
 
 logger = logging.getLogger("agentkv.server")
 
 _RETIRED = -math.inf
+PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
 _MAX_CACHED_TAGS = 65_536
 # Scores depend on how long sessions have been idle: re-evaluate at least this often (clock s).
 _RESCORE_INTERVAL = 0.25
@@ -76,6 +79,11 @@ class RuntimeConfig:
     decay: float = DEFAULT_DECAY
     recognize: bool = True  # recognize agents and sessions of untagged requests
     snapshot_path: str | None = None
+    snapshot_interval: float = 30.0  # seconds between periodic saves (0: only at shutdown)
+    listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER
+    tracked_agents: int = 1024  # per-agent counters kept; later agents are counted as OTHER
+    max_peers: int = 32
+    peer_weight: float = 4.0  # a peer's counts weigh at most this multiple of the local evidence
     replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @classmethod
@@ -92,6 +100,10 @@ class RuntimeConfig:
             decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
             recognize=env.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off"),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
+            snapshot_interval=_env_float(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),
+            listed_agents=int(_env_float(env, "AGENTKV_STATS_TOP_AGENTS", defaults.listed_agents)),
+            max_peers=int(_env_float(env, "AGENTKV_MAX_PEERS", defaults.max_peers)),
+            peer_weight=_env_float(env, "AGENTKV_PEER_WEIGHT", defaults.peer_weight),
             replica=env.get("AGENTKV_REPLICA") or defaults.replica,
         )
 
@@ -115,6 +127,7 @@ class AgentKVRuntime:
         else:
             self.learner, self.facts = TransitionLearner(self.config.learner), GraphFacts()
         self.learner.clock = clock
+        self.learner.peers.max_replicas = self.config.max_peers
         self.predictor = Predictor(self.learner, self.facts)
         self.timing = SessionTiming()
         self.tracker = BlockTracker()
@@ -131,6 +144,7 @@ class AgentKVRuntime:
         self.tagged_requests = 0  # tagged or recognized
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
+        self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
         self._scored_policy: tuple[str, int] | None = None
@@ -185,8 +199,7 @@ class AgentKVRuntime:
             tag = self.tag_of(request)
             # warm-ups are agentkv's own traffic: the agent's hit rate is its real calls'
             if tag is not None and not tag.warmup and manager.prefix_cache_lookup_enabled(request):
-                self.queries[tag.agent] += request.num_tokens
-                self.hits[tag.agent] += num_hits
+                self._count_traffic(tag.agent, request.num_tokens, num_hits)
             if tag is not None:
                 self._note_warmup(request, tag, num_hits)
 
@@ -398,17 +411,22 @@ class AgentKVRuntime:
             if op == "recognized":
                 recent = [] if self.recognizer is None else list(self.recognizer.recent)
                 return {"recognized": [list(r) for r in recent]}
+            if op == "save":
+                return {"saved": self.save_if_changed()}
             return {"error": f"unknown control op {op!r}"}
 
     def merge(self, payload: object) -> dict[str, Any]:
         """Merge another replica's exported counts (docs/protocol.md §2.3)."""
         try:
-            export = PeerExport.from_json(payload if isinstance(payload, dict) else {})
+            export = PeerExport.from_json(payload, max_agents=self.config.learner.max_agents)
         except ValueError as exc:
-            return {"error": str(exc), "status": 400}
+            return {"error": f"merge refused: {exc}", "status": 400}
+        if export.total_weight() > self._max_peer_weight():
+            return {"error": f"merge refused: counts total {export.total_weight():.3g}, more than a replica "
+                             f"can learn ({self._max_peer_weight():.3g})", "status": 400}
         if export.replica == self.config.replica and export.epoch == self.epoch:
             return {"merged": False, "reason": "own export"}
-        return {"merged": self.learner.merge_peer(export)}
+        return {"merged": self.learner.merge_peer(self._bounded_influence(export))}
 
     def apply_events(self, payload: object) -> dict[str, Any]:
         try:
@@ -417,7 +435,12 @@ class AgentKVRuntime:
             return {"error": str(exc), "status": 400}
         accepted = duplicates = 0
         for event in events:
-            if self.facts.apply(event):
+            try:
+                applied = self.facts.apply(event)
+            except FactsFull as exc:
+                return {"error": f"{exc} (cap, docs/server.md); {accepted} earlier events applied",
+                        "status": 400, "accepted": accepted, "duplicates": duplicates}
+            if applied:
                 accepted += 1
                 if event["type"] in ("session_end", "cancel"):
                     self.learner.end_session(event["session"])
@@ -429,7 +452,6 @@ class AgentKVRuntime:
     def stats(self) -> dict[str, Any]:
         table = self.table
         blocks = self.tracker.blocks_by_agent()
-        agents = sorted(set(self.queries) | set(blocks) | set(self.learner.agents))
         chain = self.predictor.chain()
         transitions = {
             a: {b: round(float(p), 4) for b, p in zip(chain.agents, chain.matrix[i], strict=True) if p >= 0.05}
@@ -445,23 +467,8 @@ class AgentKVRuntime:
             "dispatches": self.learner.dispatches,
             "tagged_requests": self.tagged_requests,
             "recognition": None if self.recognizer is None else self.recognizer.stats(),
-            "sessions": {
-                "active": len(self.learner.session_agents()),
-                "ended": len(self.facts.ended),
-                "current": self.learner.session_agents(),
-            },
-            "agents": {
-                agent: {
-                    "queries": self.queries[agent],
-                    "hits": self.hits[agent],
-                    "anchor_blocks": blocks.get(agent, Counter())["anchor"],
-                    "history_blocks": blocks.get(agent, Counter())["history"],
-                    "survival": table.survival(agent) if table is not None else 1.0,
-                    "anchor_length_blocks": self.anchors.length(agent),
-                    "anchor_resident_blocks": self.anchor_residency(agent)[0],
-                }
-                for agent in agents
-            },
+            "sessions": self._session_stats(),
+            "agents": self._agent_stats(blocks, table),
             "kv_free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
             "warmups": self.warmups.stats(),
             "transitions": transitions,
@@ -486,3 +493,48 @@ class AgentKVRuntime:
         if self.config.snapshot_path:
             with self.lock:
                 save_snapshot(self.config.snapshot_path, self.learner, self.facts)
+                self._saved_version = (self.learner.version, self.facts.version)
+
+    # -- bounds (docs/server.md, "Limits") ------------------------------------------
+
+    def save_if_changed(self) -> bool:
+        """Save the snapshot unless nothing learned changed since the last save; True if written."""
+        with self.lock:
+            if not self.config.snapshot_path or self._saved_version == (self.learner.version, self.facts.version):
+                return False
+            self.save()
+            return True
+
+    def _max_peer_weight(self) -> float:
+        """Three times the most a decayed learner can hold per part (transitions, entries, ends), doubled."""
+        half_life = self.config.learner.half_life
+        if half_life is None:
+            return 1e12
+        return 6.0 / (1.0 - 2.0 ** (-1.0 / half_life))
+
+    def _bounded_influence(self, export: PeerExport) -> PeerExport:
+        """Scale a peer's counts down to at most ``peer_weight`` x this replica's own evidence
+        (at least ``peer_weight`` x PEER_WEIGHT_FLOOR): a peer can inform, never drown, the local model."""
+        own = self.learner.export_counts(self.config.replica, self.epoch).total_weight()
+        cap = self.config.peer_weight * max(own, PEER_WEIGHT_FLOOR)
+        total = export.total_weight()
+        return export.scaled(cap / total) if total > cap else export
+
+    def _tracked(self, counter: Counter[str], agent: str) -> str:
+        return tracked(counter, agent, self.config.tracked_agents)
+
+    def _count_traffic(self, agent: str, tokens: int, hits: int) -> None:
+        key = self._tracked(self.queries, agent)
+        self.queries[key] += tokens
+        self.hits[key] += hits
+
+    def _session_stats(self) -> dict[str, Any]:
+        live = self.learner.session_agents()
+        recent = list(live.items())[-self.config.listed_agents :]  # the most recently active ones
+        return {"active": len(live), "ended": len(self.facts.ended), "current": dict(recent)}
+
+    def _agent_stats(self, blocks: Mapping[str, Counter[str]], table: ReuseTable | None) -> dict[str, Any]:
+        names = set(self.queries) | set(blocks) | set(self.learner.agents)
+        survival = (lambda a: 1.0) if table is None else table.survival
+        return agent_rows(names, self.queries, self.hits, blocks, survival, self.anchors.length,
+                          lambda agent: self.anchor_residency(agent)[0], self.config.listed_agents)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from agentkv.graph import UNTAGGED, Anchor, Group, History
@@ -111,13 +111,15 @@ class AnchorLengths:
     The anchor of an agent is the prefix every call of it repeats (system prompt, tools,
     examples). It is learned from block hashes: the longest common prefix of the agent's
     latest request and its previous request from *another* session (two calls in one
-    session also share that session's history, which is not anchor).
+    session also share that session's history, which is not anchor). At most ``max_agents``
+    agents are remembered; the least recently observed one is forgotten first.
     """
 
-    def __init__(self, max_blocks: int = 1024) -> None:
-        self._last: dict[str, tuple[str | None, Sequence[object]]] = {}
+    def __init__(self, max_blocks: int = 1024, max_agents: int = 1024) -> None:
+        self._last: OrderedDict[str, tuple[str | None, Sequence[object]]] = OrderedDict()
         self._length: dict[str, int] = {}
         self._max_blocks = max_blocks
+        self._max_agents = max_agents
 
     def observe(self, agent: str, session: str | None, block_hashes: Sequence[object]) -> None:
         hashes = block_hashes[: self._max_blocks]
@@ -131,6 +133,10 @@ class AnchorLengths:
             self._length[agent] = common
         if previous is None or previous[0] != session:
             self._last[agent] = (session, list(hashes))
+        self._last.move_to_end(agent)
+        if len(self._last) > self._max_agents:
+            forgotten, _ = self._last.popitem(last=False)
+            self._length.pop(forgotten, None)
 
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)

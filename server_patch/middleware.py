@@ -8,14 +8,19 @@ in the JSON body, so the tag reaches the EngineCore as ``sampling_params.extra_a
 (4) appends agentkv's counters to vLLM's Prometheus ``/metrics``; (5) serves
 ``GET /agentkv/v1/state`` / ``POST /agentkv/v1/merge`` and, with ``AGENTKV_PEERS``, pulls
 the other replicas' learned counts every ``AGENTKV_SYNC_INTERVAL`` seconds.
+
+Every ``/agentkv/*`` route requires vLLM's API key when one is configured (checked before
+anything else, see _guard.py), and every body it parses is bounded in size and depth.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -29,11 +34,12 @@ from agentkv.protocol import (
     STATS_PATH,
     XARG_AGENT,
     MalformedCounter,
-    parse_headers,
+    parse_header_list,
     parse_xargs,
 )
 
-from ._control import ControlUnavailable, ask, control_endpoint
+from ._control import ControlUnavailable, ask, ask_blocking, control_endpoint
+from ._guard import ApiKeyGuard, BodyError, parse_json
 from ._metrics import render_metrics
 
 __all__ = ["AgentKVMiddleware"]
@@ -48,11 +54,16 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 RECOGNIZED_PATH = "/agentkv/v1/recognized"  # recent recognitions: [request id, agent, session]
 _TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-_MAX_EVENTS_BODY = 1 << 20
+_AGENTKV_PREFIX = "/agentkv/"
+_XARG_PREFIX = "agentkv_"
+_MAX_BODY = {"events": 1 << 20, "merge": 4 << 20}  # a 256-agent counts document is ~1.5 MB
+_MAX_AGENTKV_DEPTH = 16  # agentkv's own documents nest at most 4 deep
+_MAX_REQUEST_DEPTH = 128  # completion bodies re-encoded here (JSON schemas nest, but not this deep)
 
 
 class AgentKVMiddleware:
-    """Invariant: a request without agentkv metadata passes through byte for byte."""
+    """Invariants: a request without agentkv metadata passes through byte for byte; with an API
+    key configured, no ``/agentkv/*`` request is acted on (or its body read) without it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -64,15 +75,26 @@ class AgentKVMiddleware:
         self.sync_interval = float(os.environ.get("AGENTKV_SYNC_INTERVAL", "5"))
         self.sync_failures: Counter[str] = Counter()  # per peer; the first failure is logged
         self._sync_task: asyncio.Task[None] | None = None
+        self._guard: ApiKeyGuard | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._on_startup(scope, receive), send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self._guard is None:  # vLLM's arguments are on the app once it serves
+            self._guard = ApiKeyGuard.for_scope(scope)
         if self.peers and self._sync_task is None:
             self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
         path, method = scope["path"], scope["method"]
-        if path == STATS_PATH and method == "GET":
+        authorized = method == "OPTIONS" or self._guard.allows(scope)  # vLLM lets preflights through too
+        if path.startswith(_AGENTKV_PREFIX) and not authorized:
+            await _json(send, 401, {"error": "Unauthorized"})  # vLLM's own answer on /v1
+        elif path in _TAGGED_PATHS and method == "POST" and not authorized:
+            await self.app(scope, receive, send)  # vLLM answers 401 before reading anything
+        elif path == STATS_PATH and method == "GET":
             await self._stats(send)
         elif path == STATE_PATH and method == "GET":
             await self._relay(send, {"op": "state"})
@@ -90,33 +112,40 @@ class AgentKVMiddleware:
             await self.app(scope, receive, send)
 
     async def _tagged(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        header_result = parse_headers(headers)
-        has_agentkv_headers = header_result.tag is not None or header_result.errors
-        if not has_agentkv_headers and not self.strict:
-            await self.app(scope, receive, send)  # the body form is checked by the engine
-            return
+        pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        header_result = parse_header_list(pairs)
+        has_agentkv_headers = header_result.tag is not None or bool(header_result.errors)
         body = await _read_body(receive)
+        if not has_agentkv_headers and _XARG_PREFIX.encode() not in body:
+            await self.app(scope, _replay(body, receive), send)  # nothing of agentkv's: byte for byte
+            return
         try:
-            document = json.loads(body) if body else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            document = None  # not ours to judge: vLLM answers malformed JSON itself
+            document = parse_json(body, what="request", max_depth=_MAX_REQUEST_DEPTH) if body else None
+        except BodyError as exc:
+            if has_agentkv_headers:  # the tag cannot be attached to a body that cannot be re-encoded
+                await _error(send, 400, str(exc))
+            else:  # not ours to judge: vLLM answers it itself
+                await self.app(scope, _replay(body, receive), send)
+            return
         if not isinstance(document, dict):
             await self.app(scope, _replay(body, receive), send)
             return
         xargs = document.get("vllm_xargs")
-        body_result = parse_xargs(xargs if isinstance(xargs, dict) else None)
-        errors = body_result.errors or header_result.errors
-        if errors:
-            if self.strict:
-                await _error(send, 400, str(errors[0]))
-                return
-            if body_result.errors:  # the engine will see and count the body form itself
-                errors = header_result.errors
-            self.malformed.record(errors)
-        if header_result.tag is not None and not (isinstance(xargs, dict) and XARG_AGENT in xargs):
+        xargs = xargs if isinstance(xargs, dict) else None
+        body_result = parse_xargs(xargs)
+        if self.strict and (body_result.errors or header_result.errors):
+            await _error(send, 400, str((body_result.errors or header_result.errors)[0]))
+            return
+        self.malformed.record(body_result.errors + header_result.errors)
+        rewritten: dict[str, Any] | None = None
+        if body_result.errors and xargs is not None:
+            # served untagged, as in strict mode's sense of valid (vLLM would coerce true to 1)
+            rewritten = {k: v for k, v in xargs.items() if not k.startswith(_XARG_PREFIX)}
+        elif header_result.tag is not None and not (xargs is not None and XARG_AGENT in xargs):
             # The body form wins when both are present (docs/protocol.md §1.2).
-            document["vllm_xargs"] = {**(xargs if isinstance(xargs, dict) else {}), **header_result.tag.to_xargs()}
+            rewritten = {**(xargs or {}), **header_result.tag.to_xargs()}
+        if rewritten is not None:
+            document["vllm_xargs"] = rewritten
             body = json.dumps(document).encode()
             scope = dict(scope)
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"] + [
@@ -184,13 +213,18 @@ class AgentKVMiddleware:
 
     async def _sync_forever(self) -> None:
         """Pull every peer's own counts and merge them into this replica's engine."""
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        key = os.environ.get("AGENTKV_PEER_API_KEY") or next(iter(self._guard.tokens if self._guard else ()), "")
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False, headers=headers) as client:
             while True:
                 for peer in self.peers:
                     try:
                         response = await client.get(peer + STATE_PATH)
                         response.raise_for_status()
-                        reply = await ask(self.endpoint, {"op": "merge", "payload": response.json()}, self.timeout)
+                        if len(response.content) > _MAX_BODY["merge"]:
+                            raise ValueError(f"state document larger than {_MAX_BODY['merge']} bytes")
+                        payload = parse_json(response.content, what="state", max_depth=_MAX_AGENTKV_DEPTH)
+                        reply = await ask(self.endpoint, {"op": "merge", "payload": payload}, self.timeout)
                         if "error" in reply:
                             raise ValueError(reply["error"])
                     except (httpx.HTTPError, ControlUnavailable, ValueError) as exc:
@@ -202,16 +236,56 @@ class AgentKVMiddleware:
 
     async def _relay_body(self, receive: Receive, send: Send, op: str) -> None:
         """Relay a JSON request body to the engine as ``{"op": op, "payload": body}``."""
-        body = await _read_body(receive, limit=_MAX_EVENTS_BODY)
+        body = await _read_body(receive, limit=_MAX_BODY[op])
         if body is None:
-            await _error(send, 413, f"{op} body larger than {_MAX_EVENTS_BODY} bytes")
+            await _error(send, 413, f"{op} body larger than {_MAX_BODY[op]} bytes")
             return
         try:
-            payload = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            await _error(send, 400, f"{op} body is not JSON: {exc}")
+            payload = parse_json(body, what=op, max_depth=_MAX_AGENTKV_DEPTH)
+        except BodyError as exc:
+            await _error(send, 400, str(exc))
             return
         await self._relay(send, {"op": op, "payload": payload})
+
+    # -- saving the learned state before vLLM stops the engine ------------------------
+
+    def _on_startup(self, scope: Scope, receive: Receive) -> Receive:
+        """A lifespan receive() that wraps the engine client's shutdown once the app starts."""
+
+        async def observed() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._save_before_engine_shutdown(scope)
+            return message
+
+        return observed
+
+    def _save_before_engine_shutdown(self, scope: Scope) -> None:
+        """Ask the EngineCore to save before vLLM shuts it down, whatever stops the server.
+
+        On SIGINT/SIGTERM vLLM calls ``engine_client.shutdown`` first, and its process manager
+        kills the EngineCore right after its SIGTERM, too early for a save there. An instance
+        wrapper (as for the KV cache manager) puts the save first; the EngineCore's periodic
+        save (AGENTKV_SNAPSHOT_INTERVAL) covers any way around it.
+        """
+        engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is None:
+            return
+        asked = threading.Event()
+
+        @functools.wraps(shutdown)
+        def saving_shutdown(*args: Any, **kwargs: Any) -> Any:
+            if not asked.is_set():  # once: afterwards the engine is gone and would only time out
+                asked.set()
+                try:
+                    if ask_blocking(self.endpoint, {"op": "save"}, self.timeout).get("saved"):
+                        logger.info("agentkv: learned state saved before shutdown")
+                except ControlUnavailable as exc:
+                    logger.warning("agentkv: could not save learned state at shutdown: %s", exc)
+            return shutdown(*args, **kwargs)
+
+        engine.shutdown = saving_shutdown
 
 
 async def _read_body(receive: Receive, limit: int | None = None) -> Any:

@@ -16,6 +16,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ._compat import gate
 from ._control import ControlServer, control_endpoint
+from ._persist import PeriodicSave
 from ._runtime import AgentKVRuntime, RuntimeConfig
 
 __all__ = ["AgentKVAsyncScheduler", "AgentKVScheduler"]
@@ -37,6 +38,11 @@ class _AgentKVMixin:
         self.agentkv = AgentKVRuntime(config)
         self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
         self._agentkv_control = ControlServer(control_endpoint(os.getppid()), self.agentkv.handle)
+        self._agentkv_saver = (
+            PeriodicSave(self.agentkv.save_if_changed, config.snapshot_interval)
+            if config.snapshot_path and config.snapshot_interval > 0
+            else None
+        )
         logger.info(
             "agentkv: survival-scored eviction %s on vLLM %s (control %s)",
             "enabled" if config.enabled else "disabled (plain LRU)",
@@ -64,6 +70,8 @@ class _AgentKVMixin:
 
     def shutdown(self) -> None:
         try:
+            if self._agentkv_saver is not None:
+                self._agentkv_saver.close()
             self.agentkv.save()
         finally:
             self._agentkv_control.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -79,8 +80,12 @@ class EventSink:
         timeout: float = 2.0,
         max_queue: int = 10_000,
         transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """``api_key`` (default ``VLLM_API_KEY``) is sent as vLLM expects it, when the server has one."""
         self.urls = _endpoints(url)
+        key = os.environ.get("VLLM_API_KEY") if api_key is None else api_key
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout = timeout
         self.sent = 0
         self.failed = 0
@@ -176,7 +181,8 @@ class EventSink:
                 self._thread.start()
 
     def _run(self) -> None:
-        with httpx.Client(timeout=self.timeout, transport=self._transport, trust_env=False) as client:
+        with httpx.Client(timeout=self.timeout, transport=self._transport, trust_env=False,
+                          headers=self._headers) as client:
             while True:
                 first = self._queue.get()
                 if first is None:

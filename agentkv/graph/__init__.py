@@ -3,7 +3,7 @@
 Pure Python + numpy + networkx; shared by the client and the vLLM server extension.
 """
 
-from ._facts import END, START, GraphFacts
+from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
 from ._peers import PeerExport
 from ._predictor import ChainModel, Prediction, Predictor
@@ -29,6 +29,7 @@ __all__ = [
     "UNTAGGED",
     "Anchor",
     "ChainModel",
+    "FactsFull",
     "GapTable",
     "GraphFacts",
     "Group",

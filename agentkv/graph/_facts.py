@@ -14,11 +14,15 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-__all__ = ["END", "START", "GraphFacts"]
+__all__ = ["END", "START", "FactsFull", "GraphFacts"]
 
 # LangGraph's virtual entry and exit nodes; they are not agents.
 START = "__start__"
 END = "__end__"
+
+
+class FactsFull(ValueError):
+    """A graph declaration that would take the declared graph past its node or edge cap."""
 
 
 class GraphFacts:
@@ -26,10 +30,13 @@ class GraphFacts:
 
     Invariants: ``graph`` holds only declared agents (never START/END); ``entry`` holds
     the agents a session may start with; ``ended`` is bounded by ``max_ended`` and
-    ordered oldest first.
+    ordered oldest first; the graph never holds more than ``max_nodes`` nodes and
+    ``max_edges`` edges (a declaration that would exceed them is refused whole).
     """
 
-    def __init__(self, *, max_ended: int = 100_000, max_event_ids: int = 100_000) -> None:
+    def __init__(
+        self, *, max_ended: int = 100_000, max_event_ids: int = 100_000, max_nodes: int = 1024, max_edges: int = 4096
+    ) -> None:
         self.graph: nx.DiGraph = nx.DiGraph()
         self.entry: set[str] = set()
         self.ended: OrderedDict[str, str] = OrderedDict()  # session -> "session_end" | "cancel"
@@ -37,6 +44,8 @@ class GraphFacts:
         self._seen_ids: OrderedDict[str, None] = OrderedDict()
         self._max_ended = max_ended
         self._max_event_ids = max_event_ids
+        self.max_nodes = max_nodes
+        self.max_edges = max_edges
         self.version = 0
 
     # -- declaring -----------------------------------------------------------------
@@ -48,7 +57,13 @@ class GraphFacts:
         conditional_edges: Iterable[tuple[str, str]] = (),
         entry: Iterable[str] = (),
     ) -> None:
-        """Add declared agents and edges (declarations accumulate; several apps may share a server)."""
+        """Add declared agents and edges (declarations accumulate; several apps may share a server).
+
+        Raises FactsFull, changing nothing, if the result would exceed the caps.
+        """
+        nodes, entry = list(nodes), list(entry)
+        edges, conditional_edges = list(edges), list(conditional_edges)
+        self._check_room(nodes, [*edges, *conditional_edges], entry)
         for node in nodes:
             if node not in (START, END):
                 self.graph.add_node(node)
@@ -65,6 +80,15 @@ class GraphFacts:
         self.entry.update(a for a in entry if a not in (START, END))
         self.graph.add_nodes_from(self.entry)
         self.version += 1
+
+    def _check_room(self, nodes: list[str], pairs: list[tuple[str, str]], entry: list[str]) -> None:
+        named = {*nodes, *entry, *(a for pair in pairs for a in pair)} - {START, END}
+        new_nodes = sum(1 for a in named if a not in self.graph)
+        new_edges = len({(u, v) for u, v in pairs if START not in (u, v) and END not in (u, v)} - set(self.graph.edges))
+        if self.graph.number_of_nodes() + new_nodes > self.max_nodes:
+            raise FactsFull(f"the declared graph would exceed {self.max_nodes} nodes")
+        if self.graph.number_of_edges() + new_edges > self.max_edges:
+            raise FactsFull(f"the declared graph would exceed {self.max_edges} edges")
 
     def start_session(self, session: str) -> None:
         self.ended.pop(session, None)
@@ -83,12 +107,9 @@ class GraphFacts:
     def apply(self, event: Mapping[str, Any]) -> bool:
         """Apply one validated event (see agentkv.protocol.EVENTS_SCHEMA); False if a replay."""
         event_id = event.get("id")
-        if event_id is not None:
-            key = f"{event['type']}:{event_id}"
-            if key in self._seen_ids:
-                return False
-            self._seen_ids[key] = None
-            _trim(self._seen_ids, self._max_event_ids)
+        key = None if event_id is None else f"{event['type']}:{event_id}"
+        if key is not None and key in self._seen_ids:
+            return False
         kind = event["type"]
         if kind == "graph":
             self.declare_graph(
@@ -103,6 +124,9 @@ class GraphFacts:
             self.end_session(event["session"], cancelled=kind == "cancel")
         else:
             raise ValueError(f"unknown event type {kind!r}")
+        if key is not None:  # only once applied: a refused event may be sent again
+            self._seen_ids[key] = None
+            _trim(self._seen_ids, self._max_event_ids)
         return True
 
     # -- reading -------------------------------------------------------------------

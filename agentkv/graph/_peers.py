@@ -8,10 +8,14 @@ its own counts plus the latest export of every peer.
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+from agentkv.protocol import InvalidMetadata, validate_id
 
 __all__ = ["COUNTS_FORMAT", "COUNTS_VERSION", "PeerCounts", "PeerExport"]
 
@@ -37,25 +41,50 @@ class PeerExport:
     interposed: np.ndarray
 
     @classmethod
-    def from_json(cls, document: Mapping[str, object]) -> PeerExport:
-        """Validate a ``GET /agentkv/v1/state`` document; ValueError says what is wrong."""
-        if document.get("format") != COUNTS_FORMAT or document.get("version") != COUNTS_VERSION:
+    def from_json(cls, document: object, *, max_agents: int = 256) -> PeerExport:
+        """Validate a ``GET /agentkv/v1/state`` document; ValueError says what is wrong.
+
+        Types are exact (no bool for a number, no string for a list), names follow the id
+        rules of tags (docs/protocol.md §1.3), counts are finite non-negative JSON numbers.
+        """
+        if not isinstance(document, Mapping):
+            raise ValueError("a counts document must be a JSON object")
+        version = document.get("version")
+        if document.get("format") != COUNTS_FORMAT or not _is_int(version) or version != COUNTS_VERSION:
             raise ValueError(f"not an {COUNTS_FORMAT} v{COUNTS_VERSION} document")
-        try:
-            agents = tuple(document["agents"])  # type: ignore[arg-type]
-            n = len(agents)
-            counts = np.asarray(document["counts"], dtype=float).reshape(n, n)
-            entry = np.asarray(document["entry"], dtype=float).reshape(n)
-            ends = np.asarray(document["ends"], dtype=float).reshape(n)
-            interposed = np.asarray(document.get("interposed", [0.0] * n), dtype=float).reshape(n)
-            replica, epoch, sequence = str(document["replica"]), str(document["epoch"]), int(document["sequence"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed counts document: {exc!r}") from exc
-        if len(set(agents)) != n or not all(isinstance(a, str) for a in agents):
-            raise ValueError("agents must be distinct strings")
-        if not all(np.isfinite(a).all() and (a >= 0).all() for a in (counts, entry, ends, interposed)):
-            raise ValueError("counts must be finite and non-negative")
-        return cls(replica, epoch, sequence, agents, counts, entry, ends, interposed)
+        replica, epoch = _id(document, "replica"), _id(document, "epoch")
+        sequence = document.get("sequence")
+        if not _is_int(sequence) or sequence < 0:
+            raise ValueError("sequence must be a non-negative integer")
+        raw_agents = document.get("agents")
+        if not isinstance(raw_agents, list):
+            raise ValueError("agents must be a list of agent ids")
+        if len(raw_agents) > max_agents:
+            raise ValueError(f"{len(raw_agents)} agents exceed the limit of {max_agents}")
+        agents = tuple(_checked_id(a, "agents") for a in raw_agents)
+        if len(set(agents)) != len(agents):
+            raise ValueError("agents must be distinct")
+        n = len(agents)
+        rows = document.get("counts")
+        if not isinstance(rows, list) or len(rows) != n:
+            raise ValueError(f"counts must be a list of {n} rows")
+        counts = np.array([_numbers(row, n, "counts") for row in rows], dtype=float).reshape(n, n)
+        entry = np.array(_numbers(document.get("entry"), n, "entry"), dtype=float)
+        ends = np.array(_numbers(document.get("ends"), n, "ends"), dtype=float)
+        raw_interposed = document.get("interposed")  # absent in an older replica's document
+        interposed = np.zeros(n) if raw_interposed is None else np.array(
+            _numbers(raw_interposed, n, "interposed"), dtype=float)
+        return cls(replica, epoch, sequence, agents, counts, entry, ends, interposed)  # type: ignore[arg-type]
+
+    def total_weight(self) -> float:
+        """All counts of the export summed (inf when they overflow a float)."""
+        with np.errstate(over="ignore"):
+            return float(self.counts.sum() + self.entry.sum() + self.ends.sum() + self.interposed.sum())
+
+    def scaled(self, factor: float) -> PeerExport:
+        """The same export with every count multiplied by ``factor`` (its predictions unchanged)."""
+        return replace(self, counts=self.counts * factor, entry=self.entry * factor, ends=self.ends * factor,
+                       interposed=self.interposed * factor)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -75,12 +104,16 @@ class PeerExport:
 class PeerCounts:
     """The latest export of every peer, summed and aligned to a learner's agent order.
 
-    Invariant: ``_latest[replica]`` is the export with the greatest (epoch change,
-    sequence) seen from that replica; a new epoch (the peer restarted) always replaces.
+    Invariants: ``_latest[replica]`` is the export with the greatest (epoch change,
+    sequence) seen from that replica; a new epoch (the peer restarted) always replaces;
+    at most ``max_replicas`` peers are kept, the least recently updated one leaving first.
     """
 
-    def __init__(self) -> None:
-        self._latest: dict[str, PeerExport] = {}
+    def __init__(self, max_replicas: int = 32) -> None:
+        if max_replicas < 1:
+            raise ValueError("max_replicas must be >= 1")
+        self.max_replicas = max_replicas
+        self._latest: OrderedDict[str, PeerExport] = OrderedDict()
         self.version = 0
         self._cache_key: tuple[int, tuple[str, ...]] | None = None
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -91,6 +124,9 @@ class PeerCounts:
         if current is not None and current.epoch == export.epoch and export.sequence <= current.sequence:
             return False
         self._latest[export.replica] = export
+        self._latest.move_to_end(export.replica)
+        if len(self._latest) > self.max_replicas:
+            self._latest.popitem(last=False)
         self.version += 1
         return True
 
@@ -118,3 +154,36 @@ class PeerCounts:
                 interposed[target] += export.interposed[keep]
             self._cache_key, self._cache = key, (counts, entry, ends, interposed)
         return self._cache
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # exactly: a JSON true is not 1
+
+
+def _checked_id(value: object, field: str) -> str:
+    try:
+        return validate_id(value, field)  # type: ignore[arg-type]
+    except InvalidMetadata as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _id(document: Mapping[str, object], field: str) -> str:
+    return _checked_id(document.get(field), field)
+
+
+def _numbers(values: object, length: int, field: str) -> list[float]:
+    """``values`` as floats if it is a list of ``length`` finite non-negative JSON numbers."""
+    if not isinstance(values, list) or len(values) != length:
+        raise ValueError(f"{field} must be lists of {length} numbers")
+    numbers: list[float] = []
+    for value in values:
+        if type(value) not in (int, float):
+            raise ValueError(f"{field} must hold numbers, got {type(value).__name__}")
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except OverflowError:
+            number = math.inf
+        if not (math.isfinite(number) and number >= 0):
+            raise ValueError(f"{field} must be finite and non-negative")
+        numbers.append(number)
+    return numbers

@@ -1,0 +1,292 @@
+"""Unit tests of issue 13's server side on the real classes: the API-key guard, bounded JSON,
+strict/lenient agreement, and the runtime's bounds (peers, facts, per-agent rows, snapshots)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from agentkv.graph import GraphFacts, PeerExport, load_snapshot
+from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_PATH
+from server_patch._control import ControlServer, ask
+from server_patch._guard import ApiKeyGuard, BodyError, json_depth, parse_json
+from server_patch._persist import PeriodicSave
+from server_patch._runtime import OTHER, AgentKVRuntime, RuntimeConfig
+from server_patch._tracker import AnchorLengths
+from server_patch.middleware import AgentKVMiddleware
+
+from .test_middleware import BODY, echo_app
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _scope(authorization: str | None = None, api_key: list[str] | None = None) -> dict:
+    headers = [] if authorization is None else [(b"authorization", authorization.encode())]
+    app = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=api_key)))
+    return {"type": "http", "headers": headers, "app": app}
+
+
+def test_guard_takes_vllm_keys_then_the_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert ApiKeyGuard.for_scope(_scope(api_key=["a", "b"])).tokens == ("a", "b")
+    assert ApiKeyGuard.for_scope(_scope()).tokens == ("env-key",)
+    monkeypatch.delenv("VLLM_API_KEY")
+    open_guard = ApiKeyGuard.for_scope({"type": "http", "headers": []})
+    assert not open_guard.required and open_guard.allows(_scope())
+
+
+@pytest.mark.parametrize(
+    ("authorization", "allowed"),
+    [("Bearer a", True), ("bearer b", True), ("BEARER a", True), ("Bearer c", False), ("Basic a", False),
+     ("a", False), ("Bearer ", False), ("Bearer  a", False), (None, False)],
+)
+def test_guard_accepts_what_vllm_accepts(authorization, allowed):
+    assert ApiKeyGuard(["a", "b"]).allows(_scope(authorization)) is allowed
+
+
+def test_bounded_json():
+    assert parse_json(b'{"a": [[1]]}', what="x", max_depth=3) == {"a": [[1]]}
+    assert json_depth({"a": [[1]]}) == 3 and json_depth(7) == 0
+    for body in (b"[" * 5 + b"]" * 5, b"[" * 100_000 + b"]" * 100_000):
+        with pytest.raises(BodyError, match="nested deeper than 4 levels"):
+            parse_json(body, what="x", max_depth=4)
+    for body in (b"{", b"1" * 5000, b"\xff"):
+        with pytest.raises(BodyError, match="not valid JSON"):
+            parse_json(body, what="x", max_depth=4)
+
+
+def _client(middleware: AgentKVMiddleware) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware), base_url="http://test")
+
+
+@pytest.mark.anyio
+async def test_agentkv_routes_require_the_environment_key(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    async with _client(AgentKVMiddleware(echo_app)) as c:
+        for method, path in (("GET", STATS_PATH), ("GET", STATE_PATH), ("POST", EVENTS_PATH), ("POST", MERGE_PATH)):
+            response = await c.request(method, path, content=b"[" * 1000 + b"]" * 1000)
+            assert (response.status_code, response.json()) == (401, {"error": "Unauthorized"})
+        untouched = await c.post("/v1/completions", json=BODY, headers={"X-AgentKV-Agent": "bad agent"})
+        assert json.loads(untouched.json()["body"]) == BODY  # vLLM's own guard answers, nothing parsed
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("strict", [False, True])
+async def test_nested_bodies_never_raise(monkeypatch, strict):
+    if strict:
+        monkeypatch.setenv("AGENTKV_STRICT", "1")
+    nested = b'{"model":"m","prompt":' + b"[" * 2000 + b"]" * 2000 + b"}"
+    async with _client(AgentKVMiddleware(echo_app)) as c:
+        untagged = await c.post("/v1/chat/completions", content=nested)
+        assert untagged.json()["body"].encode() == nested  # agentkv has no business with it: vLLM judges
+        tagged = await c.post("/v1/chat/completions", content=nested, headers={"X-AgentKV-Agent": "a"})
+        assert tagged.status_code == 400
+        assert tagged.json()["error"]["message"] == "request body is nested deeper than 128 levels"
+        for path in (EVENTS_PATH, MERGE_PATH):
+            response = await c.post(path, content=b"[" * 1000 + b"]" * 1000)
+            assert response.status_code == 400
+
+
+@pytest.mark.anyio
+async def test_lenient_and_strict_agree_on_a_boolean_step(monkeypatch):
+    body = {**BODY, "vllm_xargs": {"agentkv_agent": "a", "agentkv_step": True, "other": 1}}
+    lenient = AgentKVMiddleware(echo_app)
+    async with _client(lenient) as c:
+        served = json.loads((await c.post("/v1/completions", json=body)).json()["body"])
+    assert served["vllm_xargs"] == {"other": 1}  # served untagged, not as step 1
+    assert lenient.malformed.by_field == {"agentkv_step": 1}
+    monkeypatch.setenv("AGENTKV_STRICT", "1")
+    async with _client(AgentKVMiddleware(echo_app)) as c:
+        refused = await c.post("/v1/completions", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("agentkv_step")
+
+
+@pytest.mark.anyio
+async def test_duplicated_and_padded_headers(monkeypatch):
+    middleware = AgentKVMiddleware(echo_app)
+    async with _client(middleware) as c:
+        padded = await c.post("/v1/completions", json=BODY, headers={"X-AgentKV-Agent": " coder \t"})
+        assert json.loads(padded.json()["body"])["vllm_xargs"] == {"agentkv_agent": "coder"}
+        twice = [("X-AgentKV-Agent", "a"), ("x-agentkv-agent", "b"), ("X-Session-ID", "s"), ("X-Session-ID", "t")]
+        served = await c.post("/v1/completions", json=BODY, headers=twice)
+        assert "vllm_xargs" not in json.loads(served.json()["body"])
+    assert middleware.malformed.by_field == {"X-AgentKV-Agent": 1, "X-Session-ID": 1}
+    monkeypatch.setenv("AGENTKV_STRICT", "1")
+    async with _client(AgentKVMiddleware(echo_app)) as c:
+        refused = await c.post("/v1/completions", json=BODY, headers=twice)
+    assert refused.json()["error"]["message"] == "X-AgentKV-Agent: sent more than once"
+
+
+def _export(replica: str, counts: list[list[float]], agents: tuple[str, ...] = ("planner", "coder", "critic")) -> dict:
+    n = len(agents)
+    return {"format": "agentkv.transition-counts", "version": 1, "replica": replica, "epoch": "e", "sequence": 1,
+            "agents": list(agents), "counts": counts, "entry": [0] * n, "ends": [0] * n}
+
+
+def _learn_planner_to_coder(runtime: AgentKVRuntime, sessions: int = 20) -> None:
+    for s in range(sessions):
+        for agent in ("planner", "coder" if s % 20 else "critic"):
+            runtime.learner.observe(agent, f"s{s}")
+
+
+def test_implausible_merges_are_refused_and_leave_the_model_alone():
+    runtime = AgentKVRuntime()
+    _learn_planner_to_coder(runtime)
+    before = runtime.stats()["transitions"]["planner"]
+    assert before["coder"] > 0.9
+    for huge in (1e300, 1.7e308):
+        reply = runtime.merge(_export("forger", [[0, 0, huge], [0, 0, 0], [0, 0, 0]]))
+        assert reply["status"] == 400 and "more than a replica can learn" in reply["error"]
+    assert runtime.stats()["transitions"]["planner"] == before
+    assert runtime.learner.peers.replicas() == {}
+
+
+def test_the_peer_map_keeps_the_most_recent_replicas():
+    runtime = AgentKVRuntime(RuntimeConfig(max_peers=4))
+    for number in range(10):
+        assert runtime.merge(_export(f"r{number}", [[0, 1, 0], [0, 0, 1], [0, 0, 0]])) == {"merged": True}
+    assert runtime.learner.peers.replicas() == {f"r{n}": 1 for n in range(6, 10)}
+
+
+def test_graph_facts_are_capped_and_a_refused_event_can_be_resent():
+    runtime = AgentKVRuntime()
+    runtime.facts = GraphFacts(max_nodes=3, max_edges=2)
+    graph = {"type": "graph", "id": "g1", "nodes": ["a", "b", "c", "d"]}
+    reply = runtime.apply_events({"version": 1, "events": [{"type": "session_start", "session": "s"}, graph]})
+    assert reply["status"] == 400 and reply["accepted"] == 1 and "3 nodes" in reply["error"]
+    assert runtime.facts.export()["nodes"] == []
+    edges = {"type": "graph", "id": "g1", "nodes": ["a"], "edges": [["a", "b"], ["b", "c"], ["c", "a"]]}
+    assert "2 edges" in runtime.apply_events({"version": 1, "events": [edges]})["error"]
+    graph["nodes"] = ["a", "b", "c"]
+    assert runtime.apply_events({"version": 1, "events": [graph]}) == {"accepted": 1, "duplicates": 0}
+
+
+def test_agent_rows_are_bounded_with_an_other_bucket():
+    runtime = AgentKVRuntime(RuntimeConfig(listed_agents=3, tracked_agents=5))
+    for number in range(8):
+        runtime._count_traffic(f"agent-{number}", tokens=10 * (number + 1), hits=number)
+    assert set(runtime.queries) == {f"agent-{n}" for n in range(5)} | {OTHER}
+    assert runtime.queries[OTHER] == 60 + 70 + 80
+    rows = runtime.stats()["agents"]
+    assert list(rows) == sorted(rows)
+    assert set(rows) == {OTHER, "agent-4", "agent-3"}
+    assert rows[OTHER]["queries"] == 210 + 30 + 20 + 10  # the untracked and the unlisted agents summed
+    assert sum(r["queries"] for r in rows.values()) == sum(10 * (n + 1) for n in range(8))
+
+
+def test_save_if_changed_and_the_save_op(tmp_path):
+    path = tmp_path / "state.json"
+    runtime = AgentKVRuntime(RuntimeConfig(snapshot_path=str(path)))
+    assert runtime.handle({"op": "save"}) == {"saved": True}  # nothing saved yet
+    assert runtime.handle({"op": "save"}) == {"saved": False}
+    _learn_planner_to_coder(runtime)
+    saver = PeriodicSave(runtime.save_if_changed, interval=0.05)
+    try:
+        deadline = time.monotonic() + 5
+        while saver.saves == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        saver.close()
+    assert saver.saves >= 1 and saver.failures == 0
+    learner, _ = load_snapshot(path)
+    assert set(learner.agents) == {"planner", "coder", "critic"}
+    assert not list(tmp_path.glob(".state.json.*"))  # written atomically: no temp file left
+
+
+def test_a_failing_periodic_save_is_counted_not_raised():
+    def broken() -> bool:
+        raise OSError("disk full")
+
+    saver = PeriodicSave(broken, interval=0.02)
+    time.sleep(0.2)
+    saver.close()
+    assert saver.failures >= 2 and saver.saves == 0
+
+
+def test_control_failures_are_logged_once_per_kind(tmp_path, caplog):
+    def handler(request: dict) -> dict:
+        raise KeyError(request["missing"])
+
+    server = ControlServer(f"ipc://{tmp_path}/c.ipc", handler)
+    try:
+        for _ in range(5):
+            reply = asyncio.run(ask(server.endpoint, {"op": "x"}))
+            assert reply == {"error": "KeyError: 'missing'"}
+    finally:
+        server.close()
+    assert server.failures == {"KeyError": 5}
+    assert sum("control request failed" in r.message for r in caplog.records) == 1
+
+
+def test_peer_export_refuses_loose_types():
+    good = _export("r", [[0, 1, 0], [0, 0, 1], [0, 0, 0]])
+    assert PeerExport.from_json(good).agents == ("planner", "coder", "critic")
+    for override in ({"agents": "abc"}, {"sequence": 1.0}, {"sequence": -1}, {"epoch": ""},
+                     {"counts": [[0, 1, 0], [0, 0, 1], [0, 0, None]]}, {"counts": [[0, 1, 0], [0, 0, 1]]},
+                     {"entry": [0, 0, False]}, {"agents": ["a"] * 3}):
+        with pytest.raises(ValueError):
+            PeerExport.from_json({**good, **override})
+    with pytest.raises(ValueError, match="exceed the limit"):
+        PeerExport.from_json(_export("r", [[0] * 3] * 3, agents=("a", "b", "c")), max_agents=2)
+
+
+def test_a_peer_weighs_at_most_a_multiple_of_the_local_evidence():
+    runtime = AgentKVRuntime(RuntimeConfig(peer_weight=4.0))
+    for s in range(200):
+        for agent in ("planner", "coder"):
+            runtime.learner.observe(agent, f"s{s}")
+    own = runtime.learner.export_counts("me", "e").total_weight()
+    assert own > 64
+    heavy = _export("heavy", [[0, 0, 10_000], [0, 0, 0], [0, 0, 0]])
+    assert runtime.merge(heavy) == {"merged": True}
+    merged = runtime.learner.peers.aligned(runtime.learner.agents)[0]
+    assert merged.sum() == pytest.approx(4.0 * own)  # scaled down, its distribution kept
+    light = _export("light", [[0, 5, 0], [0, 0, 0], [0, 0, 0]])
+    runtime.merge(light)
+    coder = runtime.learner.agents.index("coder")
+    assert runtime.learner.peers.aligned(runtime.learner.agents)[0][:, coder].sum() == 5  # untouched
+
+
+def test_anchor_lengths_forget_the_least_recent_agents():
+    anchors = AnchorLengths(max_agents=2)
+    for number in range(5):
+        for session in ("s", "t"):
+            anchors.observe(f"agent-{number}", session, [1, 2, 3])
+    anchors.observe("agent-3", "u", [1, 2, 9])
+    anchors.observe("agent-9", "s", [1])
+    assert anchors.as_dict() == {"agent-3": 2}  # agent-4 was the least recently observed
+
+
+@pytest.mark.anyio
+async def test_the_engine_is_asked_to_save_before_vllm_shuts_it_down(tmp_path, monkeypatch):
+    endpoint = f"ipc://{tmp_path}/control.ipc"
+    monkeypatch.setenv("AGENTKV_CONTROL", endpoint)
+    runtime = AgentKVRuntime(RuntimeConfig(snapshot_path=str(tmp_path / "state.json")))
+    _learn_planner_to_coder(runtime)
+    server = ControlServer(endpoint, runtime.handle)
+    calls: list[str] = []
+    engine = SimpleNamespace(shutdown=lambda timeout=None: calls.append(f"shutdown {timeout}"))
+    app_scope = {"type": "lifespan", "app": SimpleNamespace(state=SimpleNamespace(engine_client=engine))}
+
+    async def lifespan_app(scope, receive, send):
+        assert (await receive())["type"] == "lifespan.startup"
+
+    async def startup():
+        return {"type": "lifespan.startup"}
+
+    try:
+        await AgentKVMiddleware(lifespan_app)(app_scope, startup, None)
+        await asyncio.to_thread(engine.shutdown, timeout=0)  # as vLLM's launcher calls it
+        await asyncio.to_thread(engine.shutdown, timeout=0)
+    finally:
+        server.close()
+    assert calls == ["shutdown 0", "shutdown 0"]
+    assert set(load_snapshot(tmp_path / "state.json")[0].agents) == {"planner", "critic", "coder"}

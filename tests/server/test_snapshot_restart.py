@@ -1,0 +1,95 @@
+"""Learned state survives every way a user stops a real server (issue 13, item 8).
+
+One snapshot file, three consecutive servers: each learns a new pipeline and is stopped one way
+(SIGINT or SIGTERM to its pid, as Ctrl-C or ``kill`` does; SIGKILL to the whole group after one
+snapshot interval); the next one must start knowing every pipeline learned so far, and after
+the SIGKILL the file must hold all three.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentkv.graph import TransitionLearner, load_snapshot
+from agentkv.protocol import STATS_PATH, AgentTag
+from agentkv.testing.vllm_server import ServerSpec, VLLMServer
+
+pytestmark = pytest.mark.server
+
+INTERVAL = 2.0  # AGENTKV_SNAPSHOT_INTERVAL of these servers, seconds
+
+
+def _learn(server: VLLMServer, pipeline: tuple[str, ...], sessions: int = 4) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+        for s in range(sessions):
+            for step, agent in enumerate(pipeline):
+                tag = AgentTag(agent, f"{pipeline[0]}-{s}", "" if step == 0 else pipeline[step - 1], step)
+                body = {"model": "tiny", "prompt": [20 + step, 30 + s], "max_tokens": 1}
+                client.post("/v1/completions", json=body, headers=tag.to_headers()).raise_for_status()
+
+
+def _transitions(server: VLLMServer) -> dict[str, dict[str, float]]:
+    with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+        return client.get(STATS_PATH).json()["transitions"]
+
+
+def _assert_knows(transitions: dict[str, dict[str, float]], pipeline: tuple[str, ...]) -> None:
+    for source, target in itertools.pairwise(pipeline):
+        assert transitions.get(source, {}).get(target, 0.0) > 0.5, (source, target, transitions)
+
+
+def _wait_exit(server: VLLMServer, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.running and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not server.running, "the server did not exit"
+    server.stop()  # reap the group (nothing may be left behind)
+
+
+@pytest.mark.timeout(2400)  # three server starts, minutes each on a busy 2-core machine
+def test_learned_state_survives_sigint_sigterm_and_sigkill(tiny_model_dir: Path, tmp_path: Path):
+    snapshot = tmp_path / "state.json"
+    spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
+                      env={"AGENTKV_SNAPSHOT": str(snapshot), "AGENTKV_SNAPSHOT_INTERVAL": str(INTERVAL)})
+    pipelines = [("plan", "code", "test"), ("ask", "search", "answer"), ("draft", "edit", "publish")]
+    stops = [
+        ("SIGINT", lambda s: os.kill(s.pid, signal.SIGINT)),
+        ("SIGTERM", lambda s: os.kill(s.pid, signal.SIGTERM)),
+        ("SIGKILL", lambda s: (time.sleep(2.5 * INTERVAL), os.killpg(s.pid, signal.SIGKILL))),
+    ]
+    for number, (pipeline, (name, stop)) in enumerate(zip(pipelines, stops, strict=True)):
+        with VLLMServer(spec, log_path=tmp_path / f"server-{number}.log") as server:
+            transitions = _transitions(server)
+            for known in pipelines[:number]:
+                _assert_knows(transitions, known)  # restored from the snapshot the last stop left
+            _learn(server, pipeline)
+            stop(server)
+            _wait_exit(server)
+        assert snapshot.exists(), f"no snapshot after {name}"
+    # the restore path is proven above; a fourth start would only read the same file
+    learner, _ = load_snapshot(snapshot)
+    for pipeline in pipelines:
+        _assert_knows(_as_transitions(learner), pipeline)
+
+
+def _as_transitions(learner: TransitionLearner) -> dict[str, dict[str, float]]:
+    matrix, agents = learner.transition_matrix(), learner.agents
+    return {a: {b: float(matrix[i, j]) for j, b in enumerate(agents)} for i, a in enumerate(agents)}
+
+
+def test_a_corrupt_snapshot_is_refused_and_the_server_starts_fresh(tiny_model_dir: Path, tmp_path: Path):
+    snapshot = tmp_path / "state.json"
+    snapshot.write_text('{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": ["a"], "cou')
+    spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
+                      env={"AGENTKV_SNAPSHOT": str(snapshot)})
+    with VLLMServer(spec, log_path=tmp_path / "server.log") as server:
+        assert _transitions(server) == {}
+        log = server.log_path.read_text(errors="replace")
+    assert "refusing snapshot, starting with fresh learned state" in log
