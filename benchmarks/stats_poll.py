@@ -7,6 +7,8 @@ alternating blocks of 10: alone, and while one client polls ``GET /agentkv/v1/st
 never stall the engine loop, so both columns should match.
 
     .venv/bin/python benchmarks/stats_poll.py [--calls 100] [--sessions 400]
+
+(It imports nothing newer than the tiny model builder, so it also runs on older checkouts.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from pathlib import Path
 
 import httpx
 
-from agentkv.bench.serve_paired import pin_env
 from agentkv.testing.tiny_model import build_tiny_model
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--core", type=int, default=0)
     args = parser.parse_args()
     model = build_tiny_model(Path(__file__).resolve().parents[1] / ".build" / "tiny-model")
-    spec = ServerSpec(model_dir=model, num_gpu_blocks=201, module="agentkv.serve", env=pin_env(args.core))
+    spec = ServerSpec(model_dir=model, num_gpu_blocks=201, module="agentkv.serve",
+                      env={"VLLM_CPU_OMP_THREADS_BIND": str(args.core)})
     with VLLMServer(spec) as server, httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
         for i in range(args.sessions):
             chat(client, AGENTS[i % len(AGENTS)], f"s{i}", f"task {i}")
