@@ -88,3 +88,17 @@ def test_swap_cores_moves_pinned_threads_of_the_group_only():
         for process in (child, floating):
             process.kill()
             process.wait()
+
+
+def test_the_demo_says_plainly_when_the_difference_is_inside_the_noise():
+    from agentkv.demo import _verdict
+
+    rng = np.random.default_rng(2)
+    noisy = compare([(_block(list(rng.uniform(50, 300, 6))), _block(list(rng.uniform(50, 300, 6))))
+                     for _ in range(6)])
+    lines = _verdict({"comparisons": [{"rate": 0.15, "setup": "single", "server": "agentkv", **noisy}]})
+    assert lines[0].startswith("arrival rate 0.15/s, agentkv vs vanilla, 6 paired blocks")
+    assert lines[-1].startswith("  => mean TTFT: the difference (") and "inside the noise" in lines[-1]
+    clear = compare([(_block([100.0, 120.0]), _block([60.0, 72.0])) for _ in range(5)])
+    lines = _verdict({"comparisons": [{"rate": 0.15, "setup": "single", "server": "agentkv", **clear}]})
+    assert lines[-1] == "  => mean TTFT: agentkv is better than vanilla (0.60x, 95% CI 0.60-0.60)"
