@@ -57,6 +57,9 @@ _MAX_CACHED_TAGS = 65_536
 _RESCORE_INTERVAL = 0.25
 # The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
 _REBUILD_INTERVAL = 2.0
+# A stats document is served again for this long (wall seconds): the engine builds at most a few
+# per second however often clients poll stats or /metrics, so polling cannot stall scheduling.
+STATS_MAX_AGE = 0.25
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -152,6 +155,7 @@ class AgentKVRuntime:
         self._gaps: GapTable | None = None
         self._built: dict[str, tuple[object, int, float]] = {}
         self._scorer: Callable[[Group], float] = lambda group: 0.0
+        self._stats_cache: tuple[float, int, dict[str, Any]] | None = None  # (built at, facts version, document)
 
     # -- wiring into vLLM ----------------------------------------------------------
 
@@ -450,6 +454,17 @@ class AgentKVRuntime:
         return {"accepted": accepted, "duplicates": duplicates}
 
     def stats(self) -> dict[str, Any]:
+        """The stats document (docs/protocol.md); at most STATS_MAX_AGE seconds old, and never older
+        than the last graph fact or session event."""
+        now = time.monotonic()
+        cached = self._stats_cache
+        if cached is not None and now - cached[0] < STATS_MAX_AGE and cached[1] == self.facts.version:
+            return cached[2]
+        document = self._build_stats()
+        self._stats_cache = (now, self.facts.version, document)
+        return document
+
+    def _build_stats(self) -> dict[str, Any]:
         table = self.table
         blocks = self.tracker.blocks_by_agent()
         chain = self.predictor.chain()

@@ -91,10 +91,13 @@ class BlockTracker:
     def blocks_by_agent(self) -> dict[str, Counter[str]]:
         """Per agent, how many tracked blocks are anchors and how many history."""
         table: dict[str, Counter[str]] = {}
-        for group in self._group.values():
+        for group, count in Counter(self._group.values()).items():  # one pass per distinct (interned) group
             kind = _kind(group)
             for agent in group.agents:
-                table.setdefault(agent, Counter())[kind] += 1
+                counts = table.get(agent)
+                if counts is None:
+                    counts = table[agent] = Counter()
+                counts[kind] += count
         return table
 
     def __len__(self) -> int:

@@ -49,7 +49,8 @@ from typing import Any
 import httpx
 from langchain_core.callbacks import BaseCallbackHandler
 
-from agentkv.bench.serve_args import REPO_ROOT, ServeConfig, add_arguments, config_from_args
+from agentkv.bench.serve_args import REPO_ROOT, ServeConfig, add_arguments, build_model, config_from_args
+from agentkv.bench.serve_paired import Block, Swap, compare, comparison_lines, core_pair, pin_env, swap_cores
 
 __all__ = [
     "CallRecord",
@@ -59,6 +60,8 @@ __all__ = [
     "Target",
     "add_anchor_hits",
     "add_arguments",
+    "block_sizes",
+    "comparison_report",
     "config_from_args",
     "confusion_table",
     "load_example",
@@ -526,20 +529,22 @@ def confusion_table(records: Sequence[CallRecord], recognized: Sequence[Sequence
 
 
 def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, Any]:
+    """Both single servers, each engine bound to a core of its own."""
     from agentkv.testing.vllm_server import ServerSpec
 
     common = {"model_dir": model_dir, "block_size": config.block_size, "num_gpu_blocks": config.blocks,
               "max_model_len": config.max_model_len}
-    return {"vanilla": ServerSpec(**common), "agentkv": ServerSpec(**common, module="agentkv.serve")}
+    vanilla_core, agentkv_core = core_pair()
+    return {"vanilla": ServerSpec(**common, env=pin_env(vanilla_core)),
+            "agentkv": ServerSpec(**common, module="agentkv.serve", env=pin_env(agentkv_core))}
 
 
 @contextlib.contextmanager
 def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterator[dict[str, Any]]:
-    """Build the tiny model, start both servers (in parallel), yield {name: VLLMServer}, stop them."""
-    from agentkv.testing.tiny_model import build_tiny_model
+    """Build the model, start both servers (in parallel), yield {name: VLLMServer}, stop them."""
     from agentkv.testing.vllm_server import VLLMServer
 
-    model_dir = build_tiny_model(config.model_dir)
+    model_dir = build_model(config)
     log_dir = log_dir or config.out
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {
@@ -591,7 +596,25 @@ def _sigterm(signum: int, frame: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any) -> dict[str, Any]:
+def block_sizes(sessions: int, block_sessions: int) -> list[int]:
+    """Sessions per block: ``sessions`` split into blocks of ``block_sessions`` (the last may be smaller)."""
+    full, rest = divmod(sessions, max(1, block_sessions))
+    return [block_sessions] * full + ([rest] if rest else [])
+
+
+def _comparisons(blocks: dict[tuple[float, str, str], list[Block]], seed: int) -> list[dict[str, Any]]:
+    """Every non-vanilla target against vanilla in the same rate and setup, paired by block."""
+    out = []
+    for (rate, setup, server), ours in blocks.items():
+        base = blocks.get((rate, setup, "vanilla"))
+        if server != "vanilla" and base is not None:
+            out.append({"rate": rate, "setup": setup, "server": server,
+                        **compare(list(zip(base, ours, strict=True)), seed=seed)})
+    return out
+
+
+async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None = None
+                     ) -> dict[str, Any]:
     import agentkv
 
     example = load_example()
@@ -610,24 +633,32 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any) -
                            seed=config.seed, prefix="warmup", concurrency=2, example=example,
                            untagged=config.untagged)
     runs: dict[tuple[float, str, str], list[RateRun]] = {}
+    blocks: dict[tuple[float, str, str], list[Block]] = {}
     for repeat in range(config.repeats):
         for index, rate in enumerate(config.rates):
-            # alternate who goes first; the same session ids (so tasks and routes) on every target
-            order = apps if (index + repeat) % 2 == 0 else list(reversed(apps))
-            for target, app, team in order:
-                run = await run_rate(app, team, target, rate=rate, sessions=config.sessions,
-                                     seed=config.seed + repeat, prefix=f"x{repeat}-r{index}",
-                                     concurrency=config.concurrency, example=example, untagged=config.untagged)
-                runs.setdefault((rate, target.setup, target.server), []).append(run)
-                row = run.row()
-                log(f"{'' if config.repeats == 1 else f'[{repeat + 1}/{config.repeats}] '}rate {rate:g}/s "
-                    f"{_label(target):24s} hit {row['hit_rate']:.1%}  TTFT mean {row['ttft_mean_ms']:.0f} ms "
-                    f"p99 {row['ttft_p99_ms']:.0f} ms  turn {row['turn_mean_ms']:.0f} ms  "
-                    f"{row['throughput']:.2f} turns/s  ({row['turns']} turns, {row['errors']} errors, "
-                    f"load {run.load[0]:.1f}->{run.load[1]:.1f})")
-                await asyncio.sleep(1.0)  # let the background event posts drain
+            # short alternating blocks (the order flips every block), cores swapped halfway
+            sizes = block_sizes(config.sessions, config.block_sessions)
+            for b, size in enumerate(sizes):
+                if swap is not None and b == len(sizes) // 2 and b > 0:
+                    log(f"cores swapped ({swap()} engine threads moved)")
+                order = apps if (index + repeat + b) % 2 == 0 else list(reversed(apps))
+                for target, app, team in order:
+                    run = await run_rate(app, team, target, rate=rate, sessions=size,
+                                         seed=config.seed + 1000 * repeat + b, prefix=f"x{repeat}-r{index}-b{b}",
+                                         concurrency=config.concurrency, example=example,
+                                         untagged=config.untagged)
+                    runs.setdefault((rate, target.setup, target.server), []).append(run)
+                    blocks.setdefault((rate, target.setup, target.server), []).append(Block.of(run))
+                    row = run.row()
+                    log(f"{'' if config.repeats == 1 else f'[{repeat + 1}/{config.repeats}] '}rate {rate:g}/s "
+                        f"block {b + 1}/{len(sizes)} {_label(target):24s} hit {row['hit_rate']:.1%}  "
+                        f"TTFT mean {row['ttft_mean_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms  "
+                        f"turn {row['turn_mean_ms']:.0f} ms  {row['throughput']:.2f} turns/s  ({row['turns']} turns, "
+                        f"{row['errors']} errors, load {run.load[0]:.1f}->{run.load[1]:.1f})")
+                    await asyncio.sleep(0.5)  # let the background event posts drain
     rows = [pooled_row(group) for group in runs.values()]
-    result: dict[str, Any] = {"config": _jsonable(asdict(config)), "rows": rows}
+    result: dict[str, Any] = {"config": _jsonable(asdict(config)), "rows": rows,
+                              "comparisons": _comparisons(blocks, config.seed)}
     engines = list(dict.fromkeys(e for t in targets if t.server != "vanilla" for e in t.engines))
     if engines:
         async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
@@ -672,8 +703,14 @@ def run_benchmark(
         with start_targets(config, log=log) as started:
             return asyncio.run(_run_async(config, started, log))
     with start_servers(config) as started:
-        log("servers up: " + ", ".join(f"{n} {s.base_url} ({s.startup_seconds:.0f} s)" for n, s in started.items()))
-        return asyncio.run(_run_async(config, single_targets(config, {n: s.base_url for n, s in started.items()}), log))
+        log("servers up: " + ", ".join(f"{n} {s.base_url} ({s.startup_seconds:.0f} s, engine on core "
+                                       f"{s.spec.env.get('VLLM_CPU_OMP_THREADS_BIND', 'any')})"
+                                       for n, s in started.items()))
+        cores = core_pair()
+        groups = [s.pid for s in started.values()]
+        swap = (lambda: swap_cores(groups, cores)) if config.swap_cores and cores[0] != cores[1] else None
+        targets = single_targets(config, {n: s.base_url for n, s in started.items()})
+        return asyncio.run(_run_async(config, targets, log, swap))
 
 
 def _jsonable(value: Any) -> Any:
@@ -796,7 +833,7 @@ def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = No
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "serve.json", "md": out / "serve.md"}
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    tables = [markdown_table(result["rows"])]
+    tables = [markdown_table(result["rows"]), "\n".join(comparison_report(result))]
     tables += [confusion_markdown(r) for r in result["rows"] if r.get("confusion")]
     paths["md"].write_text("\n\n".join(tables) + "\n")
     c = result["config"]
@@ -819,12 +856,23 @@ def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = No
 # ---------------------------------------------------------------------------------------------
 
 
+def comparison_report(result: dict[str, Any]) -> list[str]:
+    """The paired ratios with their intervals, one paragraph per (rate, setup, server)."""
+    lines = []
+    for c in result.get("comparisons", []):
+        name = c["server"] if c["setup"] == "single" else f"{c['server']} {c['setup']}"
+        lines += [*comparison_lines(c["rate"], c, name), ""]
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     result = run_benchmark(config)
     paths = write_reports(result, config.out, args.plot)
     print()
     print(markdown_table(result["rows"]))
+    print()
+    print("\n".join(comparison_report(result)))
     for row in result["rows"]:
         if row.get("confusion"):
             print("\n" + confusion_markdown(row))

@@ -6,9 +6,11 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["REPO_ROOT", "ROUTER_VARIANTS", "ServeConfig", "add_arguments", "config_from_args", "router_command"]
+__all__ = ["MODELS", "REPO_ROOT", "ROUTER_VARIANTS", "ServeConfig", "add_arguments", "build_model", "config_from_args",
+           "router_command"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MODELS = ("bench", "tiny")  # agentkv.bench.model (prefill costs what serving's does), the tiny test model
 
 # names for routers run with extra arguments: name -> (vllm-router policy, arguments)
 ROUTER_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -28,6 +30,8 @@ class ServeConfig:
     sessions: int = 16  # measured sessions per (server, rate)
     warmup_sessions: int = 4  # per server, before the first rate, not measured
     repeats: int = 1  # sweeps over all rates (alternating server order), pooled per (server, rate)
+    block_sessions: int = 4  # sessions per block: the servers alternate block by block (ABAB...)
+    swap_cores: bool = True  # swap the two engines' cores halfway through each rate's blocks
     seed: int = 0
     blocks: int = 201  # --num-gpu-blocks-override (usable blocks: one less)
     block_size: int = 32
@@ -37,7 +41,8 @@ class ServeConfig:
     tool_gap: float = 0.3
     concurrency: int = 16  # sessions running at once, at most
     out: Path = Path(".build/bench-serve")
-    model_dir: Path = REPO_ROOT / ".build" / "tiny-model"
+    model: str = "bench"  # one of MODELS
+    model_dir: Path | None = None  # default: .build/bench-model or .build/tiny-model
     # scale-out (replicas > 1): each replica gets (blocks - 1) / replicas usable blocks, so the
     # replicas together hold what one server holds; both kinds of replicas run behind each router
     replicas: int = 1
@@ -49,6 +54,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         from agentkv.cluster import POLICIES  # light: no vLLM import
 
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        if self.model_dir is None:
+            self.model_dir = REPO_ROOT / ".build" / f"{self.model}-model"
         if self.replicas < 1:
             raise ValueError("--replicas must be >= 1")
         if unknown := set(self.routers) - set(POLICIES) - set(ROUTER_VARIANTS):
@@ -67,6 +76,18 @@ class ServeConfig:
 
 
 
+def build_model(config: ServeConfig) -> Path:
+    """Build (once) the configured model in ``config.model_dir``; return its path."""
+    assert config.model_dir is not None
+    if config.model == "tiny":
+        from agentkv.testing.tiny_model import build_tiny_model
+
+        return build_tiny_model(config.model_dir)
+    from agentkv.bench.model import build_bench_model
+
+    return build_bench_model(config.model_dir)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     parser.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates),
@@ -75,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-sessions", type=int, default=d.warmup_sessions)
     parser.add_argument("--repeats", type=int, default=d.repeats,
                         help="sweeps over all rates; each (server, rate) pools its repeats (seeds seed, seed+1, ...)")
+    parser.add_argument("--block-sessions", type=int, default=d.block_sessions,
+                        help="sessions per block; the servers alternate block by block (default %(default)s)")
+    parser.add_argument("--no-swap-cores", action="store_true",
+                        help="keep each engine on its core (default: swap them halfway through each rate)")
+    parser.add_argument("--model", choices=MODELS, default=d.model,
+                        help="bench: a random Llama whose prefill costs what serving's does; tiny: the test model")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--blocks", type=int, default=d.blocks, help="--num-gpu-blocks-override of both servers")
     parser.add_argument("--turns", type=int, default=d.turns, help="agent turns per session")
@@ -104,6 +131,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         sessions=args.sessions,
         warmup_sessions=args.warmup_sessions,
         repeats=args.repeats,
+        block_sessions=args.block_sessions,
+        swap_cores=not args.no_swap_cores,
+        model=args.model,
         seed=args.seed,
         blocks=args.blocks,
         turns=args.turns,

@@ -34,7 +34,7 @@ from agentkv.bench.serve import (
     server_specs,
     single_targets,
 )
-from agentkv.bench.serve_args import ServeConfig, router_command
+from agentkv.bench.serve_args import ServeConfig, build_model, router_command
 
 __all__ = ["plot_setups", "replica_args", "start_targets", "targets_for"]
 
@@ -69,10 +69,9 @@ def targets_for(
 def start_targets(config: ServeConfig, *, log: Any = print) -> Iterator[list[Target]]:
     """Start the single servers, both kinds of replicas and every router; yield the targets; stop all."""
     from agentkv.cluster import Cluster, ClusterConfig
-    from agentkv.testing.tiny_model import build_tiny_model
     from agentkv.testing.vllm_server import VLLMServer
 
-    model_dir = build_tiny_model(config.model_dir)
+    model_dir = build_model(config)
     config.out.mkdir(parents=True, exist_ok=True)
     singles = {name: VLLMServer(spec, log_path=config.out / f"{name}-server.log")
                for name, spec in server_specs(config, model_dir).items()}

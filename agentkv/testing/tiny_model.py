@@ -5,14 +5,16 @@ real: prompt lengths, prefix-cache hits, block eviction and prefill cost.
 
 Invariants:
 
-* Deterministic: the same ``seed`` and ``vocab_size`` give byte-identical files (for fixed
-  versions of torch, transformers and tokenizers).
+* Deterministic: the same ``seed``, ``vocab_size`` and :class:`ModelShape` give byte-identical
+  files (for fixed versions of torch, transformers and tokenizers).
 * Atomic and idempotent: the model is built in a temporary sibling directory and moved into
   place with ``os.replace``; a directory counts as complete only when its marker file (written
-  last) matches the current format version and parameters. Concurrent callers are safe: one
+  last) matches the current format version, parameters and shape. Concurrent callers are safe: one
   of them wins the rename, the others discard their copies.
 
 Module import is light: torch, transformers and tokenizers are imported inside the builder.
+:func:`build_llama` builds any :class:`ModelShape` with the same tokenizer (the benchmark model
+of :mod:`agentkv.bench.model` is one).
 
 CLI: ``python -m agentkv.testing.tiny_model DIR [--seed N] [--vocab-size N]``.
 """
@@ -20,17 +22,20 @@ CLI: ``python -m agentkv.testing.tiny_model DIR [--seed N] [--vocab-size N]``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import shutil
 import tempfile
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["FORMAT_VERSION", "MARKER_NAME", "build_tiny_model", "is_complete", "main"]
+__all__ = ["FORMAT_VERSION", "MARKER_NAME", "TINY_SHAPE", "ModelShape", "build_llama", "build_tiny_model",
+           "is_complete", "main"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MARKER_NAME = ".agentkv-tiny-model-complete"
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -67,13 +72,27 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
 
-# Model shape: head_dim = 128 / 4 = 32 (supported by vLLM's CPU attention). ~2.4 M parameters
-# with the default vocabulary of 4096.
-HIDDEN_SIZE = 128
-NUM_LAYERS = 2
-NUM_HEADS = 4
-INTERMEDIATE_SIZE = 1536
 MAX_POSITION_EMBEDDINGS = 8192
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama's size. vLLM's CPU attention needs ``hidden_size / num_heads`` in {32, 64, 80, 96,
+    112, 128, 160, 192, 224, 256, 512}."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        head_dim, rest = divmod(self.hidden_size, self.num_heads)
+        if rest or head_dim not in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
+            raise ValueError(f"head_dim {self.hidden_size}/{self.num_heads} is not one vLLM's CPU attention supports")
+
+
+# head_dim = 128 / 4 = 32; ~2.4 M parameters with the default vocabulary of 4096.
+TINY_SHAPE = ModelShape(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=1536)
 
 _WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which "
@@ -167,20 +186,21 @@ def _corpus(seed: int, n_docs: int = 6000) -> list[str]:
     return docs
 
 
-def is_complete(directory: str | Path, *, seed: int = 0, vocab_size: int = 4096) -> bool:
-    """True if ``directory`` holds a finished build with this format version and parameters."""
+def is_complete(directory: str | Path, *, seed: int = 0, vocab_size: int = 4096,
+                shape: ModelShape = TINY_SHAPE) -> bool:
+    """True if ``directory`` holds a finished build with this format version, parameters and shape."""
     try:
         marker = json.loads((Path(directory) / MARKER_NAME).read_text())
     except (OSError, ValueError):
         return False
-    return marker == _marker(seed, vocab_size)
+    return bool(marker == _marker(seed, vocab_size, shape))
 
 
-def _marker(seed: int, vocab_size: int) -> dict[str, int]:
-    return {"format_version": FORMAT_VERSION, "seed": seed, "vocab_size": vocab_size}
+def _marker(seed: int, vocab_size: int, shape: ModelShape) -> dict[str, object]:
+    return {"format_version": FORMAT_VERSION, "seed": seed, "vocab_size": vocab_size, "shape": asdict(shape)}
 
 
-def _build_into(out: Path, seed: int, vocab_size: int) -> None:
+def _build_into(out: Path, seed: int, vocab_size: int, shape: ModelShape) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -214,11 +234,11 @@ def _build_into(out: Path, seed: int, vocab_size: int) -> None:
     # Model: random Llama in bfloat16; the generator state is restored afterwards.
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=INTERMEDIATE_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_HEADS,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_heads,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id,
@@ -231,22 +251,28 @@ def _build_into(out: Path, seed: int, vocab_size: int) -> None:
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(out)
 
-    (out / MARKER_NAME).write_text(json.dumps(_marker(seed, vocab_size), sort_keys=True) + "\n")
+    (out / MARKER_NAME).write_text(json.dumps(_marker(seed, vocab_size, shape), sort_keys=True) + "\n")
 
 
 def build_tiny_model(directory: str | Path, *, seed: int = 0, vocab_size: int = 4096) -> Path:
-    """Build (once) a tiny random Llama model plus tokenizer in ``directory``; return its path.
+    """Build (once) the tiny random Llama model plus tokenizer in ``directory``; return its path."""
+    return build_llama(directory, TINY_SHAPE, seed=seed, vocab_size=vocab_size)
+
+
+def build_llama(directory: str | Path, shape: ModelShape, *, seed: int = 0, vocab_size: int = 4096) -> Path:
+    """Build (once) a random Llama of ``shape`` plus the tokenizer in ``directory``; return its path.
 
     Returns immediately if ``directory`` already holds a complete build with the same
-    parameters. An incomplete or outdated directory at that path is replaced.
+    parameters and shape. An incomplete or outdated directory at that path is replaced.
     """
     target = Path(directory).resolve()
-    if is_complete(target, seed=seed, vocab_size=vocab_size):
+    complete = functools.partial(is_complete, seed=seed, vocab_size=vocab_size, shape=shape)
+    if complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _build_into(tmp, seed, vocab_size)
+        _build_into(tmp, seed, vocab_size, shape)
         os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the model is meant to be shared
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
@@ -255,7 +281,7 @@ def build_tiny_model(directory: str | Path, *, seed: int = 0, vocab_size: int = 
                 os.replace(tmp, target)  # succeeds if target is absent or an empty directory
                 return target
             except OSError:
-                if is_complete(target, seed=seed, vocab_size=vocab_size):
+                if complete(target):
                     return target  # a concurrent caller won the race
                 # Stale or outdated content: move it aside, then retry.
                 stale = target.parent / f".{target.name}.stale-{uuid.uuid4().hex}"
@@ -264,7 +290,7 @@ def build_tiny_model(directory: str | Path, *, seed: int = 0, vocab_size: int = 
                 except OSError:
                     continue
                 shutil.rmtree(stale, ignore_errors=True)
-        raise RuntimeError(f"could not move the tiny model into place at {target}")
+        raise RuntimeError(f"could not move the model into place at {target}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,0 +1,119 @@
+"""The benchmark model: a random-weight Llama whose prefill costs what serving prefill costs.
+
+The tiny test model (:mod:`agentkv.testing.tiny_model`) is so small that a call's prefill is a
+few milliseconds against tens of milliseconds of decoding and per-request overhead, so a prefix
+hit cannot show in latency. On a GPU, prefill of a 1.5K-token prompt on an 8B model costs 10-30
+decode steps; :data:`BENCH_SHAPE` is sized so that on a 2-core CPU (one core per server, vLLM CPU
+in bfloat16) it costs at least 10 (measured: docs/benchmarks.md, "The benchmark model"). Same
+tokenizer and chat template as the tiny model, built locally in well under a minute.
+
+``python -m agentkv.bench.model DIR [--measure]`` builds it and, with ``--measure``, starts a
+vanilla vLLM on one core and prints :class:`CostProfile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from agentkv.testing.tiny_model import ModelShape, build_llama
+
+__all__ = ["BENCH_SHAPE", "CostProfile", "build_bench_model", "main", "measure_cost"]
+
+# head_dim 64; 4.2 M parameters with the vocabulary of 4096 (2.1 M in the layers, 1.6x the tiny model's,
+# with twice its attention width). Larger shapes (hidden 512 x 6 layers: 7.5 s per 1K prompt tokens on a
+# loaded core) leave no room for a benchmark of minutes: vLLM CPU falls back from oneDNN to torch for
+# bfloat16 linears on CPUs without AVX-512 BF16, and prefill cost grows with the layers' size.
+BENCH_SHAPE = ModelShape(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024)
+
+
+def build_bench_model(directory: str | Path, *, seed: int = 0) -> Path:
+    """Build (once) the benchmark model plus tokenizer in ``directory``; return its path."""
+    return build_llama(directory, BENCH_SHAPE, seed=seed)
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Medians over the measured calls, milliseconds. ``prefill_ms_per_1k`` excludes the
+    per-request overhead (a fully cached repeat of the same prompt is subtracted)."""
+
+    prompt_tokens: int
+    cold_ms: float  # a request with no cached prefix, max_tokens 1
+    cached_ms: float  # the same prompt again: everything but its last block cached
+    decode_ms_per_token: float
+
+    @property
+    def prefill_ms_per_1k(self) -> float:
+        return (self.cold_ms - self.cached_ms) * 1000 / self.prompt_tokens
+
+    def prefill_in_decode_steps(self, tokens: int = 1536) -> float:
+        """How many decode steps the prefill of ``tokens`` prompt tokens costs."""
+        return self.prefill_ms_per_1k * tokens / 1000 / self.decode_ms_per_token
+
+    def describe(self) -> str:
+        return (f"prefill {self.prefill_ms_per_1k:.0f} ms per 1K tokens (cold {self.cold_ms:.0f} ms, cached "
+                f"{self.cached_ms:.0f} ms for {self.prompt_tokens} tokens), decode {self.decode_ms_per_token:.1f} ms"
+                f" per token: prefill of 1.5K tokens = {self.prefill_in_decode_steps():.0f} decode steps")
+
+
+def measure_cost(base_url: str, model: str, *, prompt_tokens: int = 1536, decode_tokens: int = 64,
+                 calls: int = 7, vocab_size: int = 4096, seed: int = 0) -> CostProfile:
+    """Measure prefill and decode cost on an idle server (``/v1/completions`` with token ids)."""
+    rng = random.Random(seed)
+    cold, cached, decode = [], [], []
+    with httpx.Client(base_url=base_url, timeout=120, trust_env=False) as client:
+
+        def complete(prompt: list[int], max_tokens: int) -> tuple[float, float, float]:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                    "temperature": 0.0, "stream": True}
+            t0 = time.perf_counter()
+            first = last = 0.0
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        last = time.perf_counter()
+                        first = first or last
+            return t0, first, last
+
+        complete([rng.randrange(16, vocab_size) for _ in range(prompt_tokens)], 1)  # first-call warm-up
+        for _ in range(calls):
+            prompt = [rng.randrange(16, vocab_size) for _ in range(prompt_tokens)]
+            t0, first, _ = complete(prompt, 1)
+            cold.append(first - t0)
+            t0, first, _ = complete(prompt, 1)
+            cached.append(first - t0)
+            _, first, last = complete([rng.randrange(16, vocab_size) for _ in range(32)], decode_tokens + 1)
+            decode.append((last - first) / decode_tokens)
+    return CostProfile(prompt_tokens, statistics.median(cold) * 1000, statistics.median(cached) * 1000,
+                       statistics.median(decode) * 1000)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agentkv.bench.model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--measure", action="store_true", help="serve it on one core and measure its cost")
+    parser.add_argument("--core", type=int, default=0, help="the core the measuring server runs on")
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    model_dir = build_bench_model(args.directory)
+    print(f"{model_dir} ({time.monotonic() - t0:.0f} s)")
+    if args.measure:
+        from agentkv.testing.vllm_server import ServerSpec, VLLMServer
+
+        spec = ServerSpec(model_dir=model_dir, served_model_name="bench", num_gpu_blocks=201,
+                          env={"VLLM_CPU_OMP_THREADS_BIND": str(args.core)})
+        with VLLMServer(spec) as server:
+            print(measure_cost(server.base_url, "bench").describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
