@@ -57,7 +57,7 @@ def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessi
     kv = manager(num_blocks)
     runtime = None
     if mode != "vanilla":
-        runtime = AgentKVRuntime(RuntimeConfig(enabled=mode == "agentkv"))
+        runtime = AgentKVRuntime(RuntimeConfig(enabled=mode != "agentkv-disabled", recognize=mode != "agentkv-norecog"))
         runtime.install(kv)
     reqs = requests(num_blocks // blocks + cycles, blocks, agents, sessions)
     allocation = refresh = 0.0
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=24)
     parser.add_argument("--sessions", type=int, default=100)
     args = parser.parse_args()
-    modes = ("vanilla", "agentkv", "agentkv-disabled")
+    modes = ("vanilla", "agentkv", "agentkv-norecog", "agentkv-disabled")
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for _ in range(args.repeats):  # interleaved so machine noise hits every mode alike
         for mode in modes:

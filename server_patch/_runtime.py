@@ -81,6 +81,7 @@ class RuntimeConfig:
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(half_life=5000, session_ttl=600))
     decay: float = DEFAULT_DECAY
     recognize: bool = True  # recognize agents and sessions of untagged requests
+    refresh_interval: float = 0.05  # least clock time between two evaluations of the next-use model
     snapshot_path: str | None = None
     snapshot_interval: float = 30.0  # seconds between periodic saves (0: only at shutdown)
     listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER
@@ -102,6 +103,7 @@ class RuntimeConfig:
             reuse=reuse,
             decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
             recognize=env.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off"),
+            refresh_interval=_env_float(env, "AGENTKV_REFRESH_INTERVAL", defaults.refresh_interval),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
             snapshot_interval=_env_float(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),
             listed_agents=int(_env_float(env, "AGENTKV_STATS_TOP_AGENTS", defaults.listed_agents)),
@@ -270,7 +272,8 @@ class AgentKVRuntime:
 
         Runs at the start of every scheduler step; does work only when the learner, the facts or
         the session timing changed, or ``_RESCORE_INTERVAL`` passed (values depend on how long
-        sessions have been idle). The chain's first-passage table and the gap distributions are
+        sessions have been idle), and at most once per ``refresh_interval`` unless a fact
+        changed. The chain's first-passage table and the gap distributions are
         recomputed only when enough new evidence arrived (``_stale``). Sessions the timing model
         finds abandoned are ended here, so the learner counts where they stopped.
         """
@@ -278,8 +281,12 @@ class AgentKVRuntime:
             return
         now = self.clock()
         version = (self.learner.version, self.facts.version, self.timing.version)
-        if version == self._scored_version and now - self._scored_at < _RESCORE_INTERVAL:
+        waited = now - self._scored_at
+        if version == self._scored_version and waited < _RESCORE_INTERVAL:
             return
+        facts_changed = self._scored_version is None or version[1] != self._scored_version[1]
+        if waited < self.config.refresh_interval and not facts_changed:
+            return  # a fact (an ended session) applies at once; learned values can wait a step or two
         self.table = table = self._evaluate(now)
         for session in table.dead:
             self.learner.end_session(session)
@@ -453,12 +460,12 @@ class AgentKVRuntime:
                 duplicates += 1
         return {"accepted": accepted, "duplicates": duplicates}
 
-    def stats(self) -> dict[str, Any]:
-        """The stats document (docs/protocol.md); at most STATS_MAX_AGE seconds old, and never older
+    def stats(self, max_age: float = STATS_MAX_AGE) -> dict[str, Any]:
+        """The stats document (docs/protocol.md); at most ``max_age`` seconds old, and never older
         than the last graph fact or session event."""
         now = time.monotonic()
         cached = self._stats_cache
-        if cached is not None and now - cached[0] < STATS_MAX_AGE and cached[1] == self.facts.version:
+        if cached is not None and now - cached[0] < max_age and cached[1] == self.facts.version:
             return cached[2]
         document = self._build_stats()
         self._stats_cache = (now, self.facts.version, document)

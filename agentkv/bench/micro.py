@@ -92,7 +92,7 @@ def _measure(n: int, sessions: int) -> dict[str, float]:
 
     table = evaluate()
     score = table.scorer()  # type: ignore[attr-defined]
-    groups = [History(session, frozenset((agent,))) for session, agent, _ in timing.sessions()]
+    groups = [History(session, frozenset((agent,))) for session, agent, *_ in timing.sessions()]
     groups += [Anchor(frozenset((agent,))) for agent in learner.agents]
     lookups = iter(groups * 100_000)
     return {

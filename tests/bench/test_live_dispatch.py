@@ -82,14 +82,14 @@ def tool_loop_hit(runtime: AgentKVRuntime | None) -> int:
 
 
 def test_a_tool_loop_keeps_its_prefix():
-    runtime = AgentKVRuntime(RuntimeConfig(reuse=ReuseConfig(steps=2)), clock=lambda: 0.0)
+    runtime = AgentKVRuntime(RuntimeConfig(reuse=ReuseConfig(steps=2), refresh_interval=0.0), clock=lambda: 0.0)
     assert tool_loop_hit(runtime) == (4 + 8) * BS  # anchor and history survive the pressure
     assert runtime.timing.continuation("coder") == pytest.approx(13 / 19)  # 6 x 2 repeats + the live one, 6 hand-offs
     assert runtime.timing.continuation("supervisor") == 0.0
 
 
 def test_before_the_fix_the_prefix_was_evicted_first(monkeypatch):
-    runtime = AgentKVRuntime(RuntimeConfig(reuse=ReuseConfig(steps=2)), clock=lambda: 0.0)
+    runtime = AgentKVRuntime(RuntimeConfig(reuse=ReuseConfig(steps=2), refresh_interval=0.0), clock=lambda: 0.0)
     monkeypatch.setattr(runtime.timing, "continuation", lambda agent: 0.0)  # the runtime as it was
     assert tool_loop_hit(runtime) == 4 * BS  # only the anchor: the 8 history blocks went first
     assert tool_loop_hit(None) < (4 + 8) * BS  # vanilla LRU loses it too (older than the untagged blocks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_PATH
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
+from server_patch._runtime import STATS_MAX_AGE
 
 pytestmark = pytest.mark.server
 
@@ -196,6 +198,7 @@ def test_headers_follow_http(server, client):
     assert client.post("/v1/completions", json=COMPLETION, headers=sessions).status_code == 200
     boolean_step = {**COMPLETION, "vllm_xargs": {"agentkv_agent": "stepper", "agentkv_step": True}}
     assert client.post("/v1/completions", json=boolean_step, headers=AUTH).status_code == 200
+    time.sleep(STATS_MAX_AGE)  # the engine reuses a stats document for up to this long
     stats = _stats(client)
     grown = {k: v - before.get(k, 0) for k, v in stats["malformed_metadata"].items() if v != before.get(k, 0)}
     assert grown == {"X-AgentKV-Agent": 1, "X-Session-ID": 1, "agentkv_step": 1}

@@ -93,7 +93,7 @@ NUM_BLOCKS = 4 * ANCHOR_BLOCKS + HISTORY_BLOCKS + 1 + 8
 def test_survival_keeps_every_anchor_where_lru_cycles_them_out():
     vanilla = replay(manager(NUM_BLOCKS), None, 6)
     kv = manager(NUM_BLOCKS)
-    runtime = AgentKVRuntime(RuntimeConfig())
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))  # evaluate at every step
     runtime.install(kv)
     scored = replay(kv, runtime, 6)
     anchor_tokens = ANCHOR_BLOCKS * BS

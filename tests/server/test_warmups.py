@@ -23,7 +23,7 @@ class Clock:
 
 def setup(clock: Clock | None = None) -> tuple[AgentKVRuntime, object]:
     kv = manager(NUM_BLOCKS)
-    runtime = AgentKVRuntime(RuntimeConfig(), clock=clock or Clock())
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=clock or Clock())
     runtime.install(kv)
     for s in ("s0", "s1"):  # two sessions teach the coder's anchor length
         run(kv, runtime, request(anchor("coder") + history(s), AgentTag("coder", s)))
@@ -44,7 +44,7 @@ def warmup(kv: object, runtime: AgentKVRuntime, agent: str = "coder") -> int:
 
 
 def outcomes(runtime: AgentKVRuntime) -> dict[str, object]:
-    return runtime.stats()["warmups"]
+    return runtime.stats(max_age=0)["warmups"]
 
 
 def test_residency_follows_the_cache() -> None:
@@ -54,7 +54,7 @@ def test_residency_follows_the_cache() -> None:
     evict_everything(kv, runtime)
     assert runtime.anchor_residency("coder") == (0, ANCHOR_BLOCKS)
     warmup(kv, runtime)
-    stats = runtime.stats()
+    stats = runtime.stats(max_age=0)
     assert stats["agents"]["coder"]["anchor_resident_blocks"] == ANCHOR_BLOCKS
     assert stats["kv_free_blocks"] == NUM_BLOCKS - 1  # nothing running: every block is free or evictable
     jsonschema.validate(stats, STATS_SCHEMA)
@@ -73,7 +73,7 @@ def test_warmup_then_the_agents_call_hitting_it_is_useful() -> None:
     assert outcomes(runtime) == {"sent": 1, "useful": 1, "wasted": 0, "redundant": 0, "pending": 0,
                                  "wasted_by": {"evicted": 0, "expired": 0, "missed": 0, "superseded": 0},
                                  "window_s": 120.0}
-    text = render_metrics(runtime.stats(), strict=False).decode()
+    text = render_metrics(runtime.stats(max_age=0), strict=False).decode()
     assert 'agentkv_warmups_total{outcome="useful"} 1.0' in text
     assert 'agentkv_warmups_total{outcome="sent"} 1.0' in text
     assert f'agentkv_anchor_resident_blocks{{agent="coder"}} {float(ANCHOR_BLOCKS)}' in text
@@ -117,7 +117,7 @@ def test_unused_warmup_expires_and_a_call_without_the_anchor_misses() -> None:
 
 def test_warmups_do_not_count_as_the_agents_queries() -> None:
     runtime, kv = setup()
-    before = runtime.stats()["agents"]["coder"]
+    before = runtime.stats(max_age=0)["agents"]["coder"]
     warmup(kv, runtime)
-    after = runtime.stats()["agents"]["coder"]
+    after = runtime.stats(max_age=0)["agents"]["coder"]
     assert (after["queries"], after["hits"]) == (before["queries"], before["hits"])
