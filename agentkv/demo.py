@@ -74,7 +74,7 @@ def _learned(stats: dict[str, Any]) -> list[str]:
         f"agentkv server learned: policy {stats.get('policy')}, predictability R {stats.get('predictability', 0):.2f}, "
         f"next-agent top-1 accuracy {accuracy:.0%}" if accuracy is not None else "",
         f"evicted blocks by class: {stats.get('evictions')}",
-        f"survival P(agent runs within 4 dispatches): {survival}",
+        f"P(anchor reused within the learned horizon): {survival}",
     ]
 
 
