@@ -9,6 +9,7 @@ what the scheduler calls) runs once per scheduler step, not per block, so it is 
 here every request is its own step and changes the model (the worst case).
 
     .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000] [--agents 24] [--sessions 100]
+        [--refresh-interval 0.05]
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ def requests(count: int, blocks: int, agents: int, sessions: int) -> list[Reques
     return out
 
 
-def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int) -> tuple[float, float]:
+def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int,
+        refresh_interval: float) -> tuple[float, float]:
     """(µs per allocated block on the allocation path, µs per refresh)."""
     kv = manager(num_blocks)
     runtime = None
     if mode != "vanilla":
-        runtime = AgentKVRuntime(RuntimeConfig(enabled=mode != "agentkv-disabled", recognize=mode != "agentkv-norecog"))
+        runtime = AgentKVRuntime(RuntimeConfig(enabled=mode != "agentkv-disabled", recognize=mode != "agentkv-norecog",
+                                               refresh_interval=refresh_interval))
         runtime.install(kv)
     reqs = requests(num_blocks // blocks + cycles, blocks, agents, sessions)
     allocation = refresh = 0.0
@@ -90,13 +93,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--agents", type=int, default=24)
     parser.add_argument("--sessions", type=int, default=100)
+    parser.add_argument("--refresh-interval", type=float, default=0.05, help="AGENTKV_REFRESH_INTERVAL (s)")
     args = parser.parse_args()
     modes = ("vanilla", "agentkv", "agentkv-norecog", "agentkv-disabled")
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for _ in range(args.repeats):  # interleaved so machine noise hits every mode alike
         for mode in modes:
             samples[mode].append(run(mode, args.blocks, args.blocks_per_request, args.cycles, args.agents,
-                                     args.sessions))
+                                     args.sessions, args.refresh_interval))
     print(f"eviction hot path: {args.blocks} cached blocks, {args.blocks_per_request} blocks/request, "
           f"{args.cycles} requests x {args.repeats} repeats, {args.sessions} sessions, {args.agents} agents (medians)")
     print("| mode | µs / allocated block | ratio to vanilla | refresh µs / step |")

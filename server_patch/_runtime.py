@@ -81,7 +81,7 @@ class RuntimeConfig:
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(half_life=5000, session_ttl=600))
     decay: float = DEFAULT_DECAY
     recognize: bool = True  # recognize agents and sessions of untagged requests
-    refresh_interval: float = 0.05  # least clock time between two evaluations of the next-use model
+    refresh_interval: float = 0.0  # least clock time between two evaluations of the next-use model
     snapshot_path: str | None = None
     snapshot_interval: float = 30.0  # seconds between periodic saves (0: only at shutdown)
     listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER
@@ -275,7 +275,7 @@ class AgentKVRuntime:
         sessions have been idle), and at most once per ``refresh_interval`` unless a fact
         changed. The chain's first-passage table and the gap distributions are
         recomputed only when enough new evidence arrived (``_stale``). Sessions the timing model
-        finds abandoned are ended here, so the learner counts where they stopped.
+        finds abandoned leave the timing (their history drops to the floor).
         """
         if not self.config.enabled:
             return
@@ -289,7 +289,8 @@ class AgentKVRuntime:
             return  # a fact (an ended session) applies at once; learned values can wait a step or two
         self.table = table = self._evaluate(now)
         for session in table.dead:
-            self.learner.end_session(session)
+            # only the timing forgets it (its history drops to the floor, its length is learned);
+            # the learner keeps its lineage: a session that was merely slow must not count an end
             self.timing.end(session)
         self._scored_version = (self.learner.version, self.facts.version, self.timing.version)
         self._scored_at = now
