@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +20,22 @@ from autogen_core.models import ModelInfo
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 from agentkv.frameworks.autogen import instrument
+from agentkv.testing.vllm_server import ServerSpec, VLLMServer
+from tests.conftest import SERVER_BLOCKS
 
 from ._util import instructions, learned, stats, wait_for
 
 pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """An ``agentkv serve`` of this module's own (the shared one's spec): the assertions here are on
+    what the server learned and counted since it started, which other modules' traffic would change."""
+    spec = ServerSpec(model_dir=tiny_model_dir, block_size=32, num_gpu_blocks=SERVER_BLOCKS, max_model_len=2048,
+                      module="agentkv.serve")
+    with VLLMServer(spec, log_path=tmp_path_factory.mktemp("autogen-e2e") / "vllm.log") as running:
+        yield running
 
 MODEL_INFO = ModelInfo(vision=False, function_calling=False, json_output=False, family="unknown",
                        structured_output=False)
