@@ -55,14 +55,17 @@ def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     yield from _server(spec, tmp_path_factory, "vanilla-server")
 
 
+def agentkv_server_process(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str
+) -> Iterator[VLLMServer]:
+    """An ``agentkv serve`` (scheduler + middleware extension) with the vanilla server's pool; a module
+    whose assertions depend on everything a server saw since it started yields its own from this."""
+    spec = ServerSpec(model_dir=model_dir, block_size=32, num_gpu_blocks=SERVER_BLOCKS, max_model_len=2048,
+                      module="agentkv.serve")
+    yield from _server(spec, tmp_path_factory, name)
+
+
 @pytest.fixture(scope="session")
 def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """The same server started through ``agentkv serve`` (scheduler + middleware extension)."""
-    spec = ServerSpec(
-        model_dir=tiny_model_dir,
-        block_size=32,
-        num_gpu_blocks=SERVER_BLOCKS,
-        max_model_len=2048,
-        module="agentkv.serve",
-    )
-    yield from _server(spec, tmp_path_factory, "agentkv-server")
+    """The same server started through ``agentkv serve``, shared by the session."""
+    yield from agentkv_server_process(tiny_model_dir, tmp_path_factory, "agentkv-server")

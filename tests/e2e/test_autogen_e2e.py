@@ -20,8 +20,8 @@ from autogen_core.models import ModelInfo
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 from agentkv.frameworks.autogen import instrument
-from agentkv.testing.vllm_server import ServerSpec, VLLMServer
-from tests.conftest import SERVER_BLOCKS
+from agentkv.testing.vllm_server import VLLMServer
+from tests.conftest import agentkv_server_process
 
 from ._util import instructions, learned, stats, wait_for
 
@@ -32,10 +32,7 @@ pytestmark = pytest.mark.server
 def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """An ``agentkv serve`` of this module's own (the shared one's spec): the assertions here are on
     what the server learned and counted since it started, which other modules' traffic would change."""
-    spec = ServerSpec(model_dir=tiny_model_dir, block_size=32, num_gpu_blocks=SERVER_BLOCKS, max_model_len=2048,
-                      module="agentkv.serve")
-    with VLLMServer(spec, log_path=tmp_path_factory.mktemp("autogen-e2e") / "vllm.log") as running:
-        yield running
+    yield from agentkv_server_process(tiny_model_dir, tmp_path_factory, "autogen-e2e")
 
 MODEL_INFO = ModelInfo(vision=False, function_calling=False, json_output=False, family="unknown",
                        structured_output=False)

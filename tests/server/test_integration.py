@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from agentkv.protocol import EVENTS_PATH, STATS_PATH, AgentTag
-from agentkv.testing.vllm_server import ServerSpec, VLLMServer
-from tests.conftest import SERVER_BLOCKS
+from agentkv.testing.vllm_server import VLLMServer
+from tests.conftest import agentkv_server_process
 
 pytestmark = pytest.mark.server
 
@@ -24,10 +24,7 @@ pytestmark = pytest.mark.server
 def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """An ``agentkv serve`` of this module's own (the shared one's spec): the assertions here are on
     what the server learned and counted since it started, which other modules' traffic would change."""
-    spec = ServerSpec(model_dir=tiny_model_dir, block_size=32, num_gpu_blocks=SERVER_BLOCKS, max_model_len=2048,
-                      module="agentkv.serve")
-    with VLLMServer(spec, log_path=tmp_path_factory.mktemp("integration") / "vllm.log") as running:
-        yield running
+    yield from agentkv_server_process(tiny_model_dir, tmp_path_factory, "integration")
 
 AGENTS = ("supervisor", "coder", "reviewer", "writer")
 BLOCK = 32
