@@ -38,7 +38,15 @@ from agentkv.graph import (
     save_snapshot,
     score_reuse,
 )
-from agentkv.protocol import PROTOCOL_VERSION, AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_events
+from agentkv.protocol import (
+    PROTOCOL_VERSION,
+    AgentTag,
+    MalformedCounter,
+    ProtocolError,
+    parse_xargs,
+    validate_events,
+    validate_id,
+)
 
 from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
 from ._recognize import Recognizer
@@ -425,7 +433,21 @@ class AgentKVRuntime:
                 return {"recognized": [list(r) for r in recent]}
             if op == "save":
                 return {"saved": self.save_if_changed()}
+            if op == "answered":
+                return self.answered(request.get("session"), request.get("tool_call"))
             return {"error": f"unknown control op {op!r}"}
+
+    def answered(self, session: object, tool_call: object) -> dict[str, Any]:
+        """A tagged request of ``session`` finished; its answer was a tool call or not (read by
+        the middleware from the response), so the model knows whether the same agent comes back."""
+        if not isinstance(session, str) or type(tool_call) is not bool:
+            return {"error": "answered takes a session id and a boolean tool_call", "status": 400}
+        try:
+            validate_id(session, "session")
+        except ProtocolError as exc:
+            return {"error": str(exc), "status": 400}
+        self.timing.answered(session, tool_call)
+        return {"answered": True}
 
     def merge(self, payload: object) -> dict[str, Any]:
         """Merge another replica's exported counts (docs/protocol.md §2.3)."""

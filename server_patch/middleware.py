@@ -5,7 +5,8 @@ in the JSON body, so the tag reaches the EngineCore as ``sampling_params.extra_a
 (2) validates tags as docs/protocol.md says (lenient by default, 400 with
 ``AGENTKV_STRICT=1``); (3) serves ``GET /agentkv/v1/stats`` and
 ``POST /agentkv/v1/events`` by asking the EngineCore over the control channel;
-(4) appends agentkv's counters to vLLM's Prometheus ``/metrics``; (5) serves
+(4) appends agentkv's counters to vLLM's Prometheus ``/metrics``; (5) tells the engine
+whether a tagged request's answer was a tool call (_answers.py); (6) serves
 ``GET /agentkv/v1/state`` / ``POST /agentkv/v1/merge`` and, with ``AGENTKV_PEERS``, pulls
 the other replicas' learned counts every ``AGENTKV_SYNC_INTERVAL`` seconds.
 
@@ -38,6 +39,7 @@ from agentkv.protocol import (
     parse_xargs,
 )
 
+from ._answers import AnswerWatch
 from ._control import ControlUnavailable, ask, ask_blocking, control_endpoint
 from ._guard import ApiKeyGuard, BodyError, parse_json
 from ._metrics import render_metrics
@@ -76,6 +78,8 @@ class AgentKVMiddleware:
         self.sync_failures: Counter[str] = Counter()  # per peer; the first failure is logged
         self._sync_task: asyncio.Task[None] | None = None
         self._guard: ApiKeyGuard | None = None
+        self.answer_failures = 0  # answers the engine could not be told (the first is logged)
+        self._telling: set[asyncio.Task[None]] = set()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -151,7 +155,42 @@ class AgentKVMiddleware:
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"] + [
                 (b"content-length", str(len(body)).encode())
             ]
+        tag = body_result.tag if body_result.tag is not None else header_result.tag
+        if tag is not None and tag.session and not body_result.errors:
+            tools = document.get("tools")
+            send = self._watching(send, AnswerWatch(tag.session, isinstance(tools, list) and bool(tools)))
         await self.app(scope, _replay(body, receive), send)
+
+    def _watching(self, send: Send, watch: AnswerWatch) -> Send:
+        """``send`` that also shows the response to ``watch`` and, once it is complete, tells
+        the engine in the background (never delaying or failing the user's response)."""
+
+        async def watched(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                watch.started(int(message["status"]))
+            elif message["type"] == "http.response.body":
+                watch.chunk(message.get("body", b""))
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                verdict = watch.verdict()
+                if verdict is not None:
+                    task = asyncio.get_running_loop().create_task(self._tell_answer(watch.session, verdict))
+                    self._telling.add(task)
+                    task.add_done_callback(self._telling.discard)
+
+        return watched
+
+    async def _tell_answer(self, session: str, tool_call: bool) -> None:
+        try:
+            reply = await ask(self.endpoint, {"op": "answered", "session": session, "tool_call": tool_call},
+                              self.timeout)
+            if "error" in reply:
+                raise ValueError(reply["error"])
+        except (ControlUnavailable, ValueError) as exc:
+            if not self.answer_failures:
+                logger.warning("agentkv: could not tell the engine how a request was answered (%s); "
+                               "further failures are only counted", exc)
+            self.answer_failures += 1
 
     async def _fetch_stats(self) -> dict[str, Any]:
         stats = await ask(self.endpoint, {"op": "stats"}, self.timeout)

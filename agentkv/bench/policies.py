@@ -330,6 +330,9 @@ class AgentKV(Policy):
         self.runtime.refresh()
 
     def on_finish(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+        tool_call = sim.plan.is_tool_call(record)
+        if self.tagged and tool_call is not None:  # what the middleware reads off the response
+            self.runtime.answered(record.session, tool_call)
         if self.warmup and sim.plan.is_handoff(record):
             self.warmups[self._warm(sim, record.agent)] += 1
 

@@ -158,6 +158,15 @@ class TapePlan:
         following = self.next_in_session[index]
         return following is not None and (request.step is None or self.requests[following].step != request.step)
 
+    def is_tool_call(self, request: TapeRequest) -> bool | None:
+        """Whether the request's answer was a tool call (the session's next request continues its
+        dispatch), as the response's finish_reason tells the server; None for a tape without steps."""
+        if request.step is None:
+            return None
+        following = self.next_in_session[self._index_of(request)]
+        return following is not None and self.requests[following].step == request.step \
+            and self.requests[following].agent == request.agent
+
     def _index_of(self, request: TapeRequest) -> int:
         if not hasattr(self, "_indices"):
             self._indices = {r.id: i for i, r in enumerate(self.requests)}

@@ -218,7 +218,8 @@ class ReuseTable:
 def score_reuse(
     chain: ChainModel,
     gaps: GapTable,
-    sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, float]],
+    sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, float]
+                       | tuple[str, str, float, float, bool | None]],
     *,
     now: float,
     session_start_rate: float,
@@ -232,7 +233,8 @@ def score_reuse(
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
     ``sessions``: (session, current agent, last arrival[, P(the session ends after its current
-    dispatch), from the lengths of ended sessions]) of the live sessions;
+    dispatch), from the lengths of ended sessions[, its last answer was a tool call, None when
+    not told]]) of the live sessions;
     ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of a is
     followed by another request of the same dispatch); ``interposed[a]``: calls of a made
     between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
@@ -248,27 +250,40 @@ def score_reuse(
     mean_gap = max(gaps.mean_gap, config.min_time)
     ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
 
-    known = [(entry[0], index[entry[1]], now - entry[2], entry[1], entry[3] if len(entry) > 3 else 0.0)
-             for entry in sessions if entry[1] in index]
+    known = [(entry[0], index[entry[1]], now - entry[2], entry[1], entry[3] if len(entry) > 3 else 0.0,
+              entry[4] if len(entry) > 4 else None) for entry in sessions if entry[1] in index]
     rows = np.array([k[1] for k in known], dtype=np.intp)
     idle = np.array([max(k[2], 0.0) for k in known])
     gap_rows = np.array([gaps.row(k[3]) for k in known], dtype=np.intp)
     if len(known):
-        still, remaining = gaps.at(gap_rows, idle)
+        still, _ = gaps.at(gap_rows, idle)
+        tool_left, tool_time, handoff_left, handoff_time = gaps.split_at(gap_rows, idle)
         row_sums = matrix[rows].sum(axis=1)
         ends_here = np.array([k[4] for k in known])  # learned from session lengths
         stays = np.clip(np.minimum(row_sums, 1.0 - ends_here), 0.0, 1.0 - config.end_floor)
-        alive = stays * still / (stays * still + (1.0 - stays))  # P(another request comes | idle so long)
-        soon = np.maximum(remaining, config.min_time)
-        weights = 1.0 / (soon[None, :] + ahead[:, None])  # (steps, sessions)
-        # the chain's rows lose the chance of ending; ``alive`` accounts for it, given the idle time
-        weights /= np.maximum(row_sums, 1e-12)[None, :]
-        session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((len(known), 0))
+        # P(the request ended in a tool call): continuation is counted among requests that had a
+        # next one, and a session ends only between dispatches
         going_on = np.array([continuation.get(k[3], 0.0) for k in known])
-        session_rate[np.arange(len(known)), rows] += going_on / soon
+        tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
+        told = [k[5] for k in known]  # the last answer was a tool call: the server read it
+        tool = np.array([t if told_tool is None else float(told_tool) for t, told_tool in zip(tool, told, strict=True)])
+        # which of tool call, next dispatch and end the session is in, given its idle time
+        in_tool = tool * tool_left
+        in_handoff = (1.0 - tool) * stays * handoff_left
+        total = in_tool + in_handoff + (1.0 - tool) * (1.0 - stays)
+        in_tool = np.divide(in_tool, total, out=np.zeros_like(total), where=total > 0)
+        in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=total > 0)
+        tool_soon = np.maximum(tool_time, config.min_time)
+        handoff_soon = np.maximum(handoff_time, config.min_time)
+        after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
+        # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
+        # the chain's rows lose the chance of ending, which ``stays`` accounts for
+        weights = (in_handoff[None, :] / (handoff_soon[None, :] + ahead[:, None])
+                   + in_tool[None, :] / (after_tool[None, :] + ahead[:, None])) / np.maximum(row_sums, 1e-12)[None, :]
+        session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((len(known), 0))
+        session_rate[np.arange(len(known)), rows] += in_tool / tool_soon
         if interposed is not None and len(interposed) == n:
-            session_rate += (1.0 / soon)[:, None] * interposed[None, :]
-        session_rate *= alive[:, None]
+            session_rate += (in_handoff / handoff_soon + in_tool / after_tool)[:, None] * interposed[None, :]
         dead = tuple(k[0] for k, s in zip(known, still, strict=True) if s < config.dead_tail) \
             if gap_count >= config.min_gaps else ()
     else:

@@ -15,6 +15,7 @@ __all__ = ["GapTable", "SessionTiming", "TimingConfig"]
 _EDGES = np.geomspace(0.02, 7200.0, 49)
 _CENTERS = np.sqrt(_EDGES[:-1] * _EDGES[1:])
 _BINS = len(_CENTERS)
+_ALL, _TOOL, _HANDOFF = 0, 1, 2  # rows of a gap histogram
 _MAX_LENGTH = 64  # session lengths (dispatches) are counted up to this; longer ones share the last bin
 _LENGTH_DECAY = 0.995  # per ended session
 _MIN_ENDED = 10
@@ -48,6 +49,7 @@ class _Session:
     seen: float  # arrival time of the session's last request
     step: int | None
     dispatches: int  # dispatches so far (a tool loop's requests share one)
+    tool_call: bool | None = None  # the last request's answer was a tool call (None: not told)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,10 @@ class GapTable:
 
     ``survival[i, b]`` = P(gap > edge b) for agents[i]; ``residual[i, b]`` = the harmonic mean of
     gap - edge b given gap > edge b; ``mean_gap`` the median gap over all agents. Row
-    ``len(agents)`` is the global distribution (agents never seen).
+    ``len(agents)`` is the global distribution (agents never seen). ``tool`` and ``handoff``
+    hold the same two arrays for the gaps within a dispatch (the agent's tool loop) and the
+    gaps to the next dispatch, learned apart: an idle time long past the hand-off gaps says the
+    session is in a tool call, so the current agent's history is the part reused next.
     """
 
     agents: tuple[str, ...]
@@ -64,16 +69,42 @@ class GapTable:
     survival: np.ndarray
     residual: np.ndarray
     mean_gap: float
+    tool: tuple[np.ndarray, np.ndarray]
+    handoff: tuple[np.ndarray, np.ndarray]
 
     def row(self, agent: str) -> int:
         return self.index.get(agent, len(self.agents))
 
     def at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(P(gap > idle), E[remaining time | gap > idle]) for each (row, idle) pair."""
-        bins = np.clip(np.searchsorted(_EDGES, idle, side="right") - 1, 0, _BINS - 1)
-        survival = self.survival[rows, bins]
-        residual = self.residual[rows, bins] - np.maximum(idle - _EDGES[bins], 0.0)
-        return survival, residual
+        return _read(self.survival, self.residual, rows, idle)
+
+    def split_at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(P(tool gap > idle), its time left, P(hand-off gap > idle), its time left)."""
+        return (*_read(*self.tool, rows, idle), *_read(*self.handoff, rows, idle))
+
+
+def _read(survival: np.ndarray, residual: np.ndarray, rows: np.ndarray,
+          idle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    bins = np.clip(np.searchsorted(_EDGES, idle, side="right") - 1, 0, _BINS - 1)
+    return survival[rows, bins], residual[rows, bins] - np.maximum(idle - _EDGES[bins], 0.0)
+
+
+def _tables(own: np.ndarray, pooled: np.ndarray, prior_gaps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(survival, harmonic time left, the pooled prior) of gap counts ``own`` (one row per agent),
+    each shrunk towards ``pooled`` by ``prior_gaps`` gaps; a last row is the prior alone."""
+    total = pooled.sum()
+    prior = pooled / total if total > 0 else np.full(_BINS, 1.0 / _BINS)
+    mass = np.vstack([own + prior_gaps * prior[None, :], prior[None, :]])
+    # tail sums from bin b on: P(gap >= edge b)
+    tail = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1]
+    norm = tail[:, :1]
+    survival = np.divide(tail, norm, out=np.zeros_like(tail), where=norm > 0)
+    # the harmonic mean of the time left, 1 / E[1 / (gap - edge b) | gap >= edge b]: a rate
+    # of next use is an average of 1/time, and heavy tails would inflate a plain mean
+    inverse = np.sum(mass[:, None, :] * _INVERSE_LEFT[None, :, :], axis=2)
+    residual = np.divide(tail, inverse, out=np.zeros_like(tail), where=inverse > 0)
+    return survival, residual, prior
 
 
 class SessionTiming:
@@ -86,7 +117,9 @@ class SessionTiming:
     how many dispatches ended sessions lasted (the hazard that a session ends where it is).
 
     Invariants: ``_hist[agent]`` holds decayed gap counts per bin (multiplied by
-    ``_weight[agent]``); ``_sessions`` is ordered by last arrival, oldest first, and bounded.
+    ``_weight[agent]``), row ``_ALL`` of every gap, rows ``_TOOL`` and ``_HANDOFF`` of the gaps
+    within a dispatch and to the next one (``_ALL`` is their sum); ``_sessions`` is ordered by
+    last arrival, oldest first, and bounded.
     """
 
     def __init__(self, config: TimingConfig | None = None) -> None:
@@ -94,7 +127,7 @@ class SessionTiming:
         self._decay = 2.0 ** (1.0 / self.config.half_life)
         self._hist: OrderedDict[str, np.ndarray] = OrderedDict()
         self._weight: dict[str, float] = {}
-        self._global = np.zeros(_BINS)
+        self._global = np.zeros((3, _BINS))
         self._global_weight = 1.0
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._continued: dict[str, int] = {}  # per agent: requests followed by one of the same dispatch
@@ -116,8 +149,8 @@ class SessionTiming:
         if previous is None:
             self._note_start(now)
         else:
-            self._add_gap(previous.agent, max(0.0, now - previous.seen))
             same_dispatch = step is not None and previous.step == step and previous.agent == agent
+            self._add_gap(previous.agent, max(0.0, now - previous.seen), same_dispatch)
             counts = self._continued if same_dispatch else self._handed_off
             counts[previous.agent] = counts.get(previous.agent, 0) + 1
             dispatches = previous.dispatches + (not same_dispatch)
@@ -125,6 +158,14 @@ class SessionTiming:
         if len(self._sessions) > self.config.max_sessions:
             self._sessions.popitem(last=False)
         self.version += 1
+
+    def answered(self, session: str, tool_call: bool) -> None:
+        """The session's last request finished; its answer was a tool call or not (a tool call
+        brings the same agent back once the tool returns)."""
+        state = self._sessions.get(session)
+        if state is not None and state.tool_call is not tool_call:
+            self._sessions[session] = _Session(state.agent, state.seen, state.step, state.dispatches, tool_call)
+            self.version += 1
 
     def end(self, session: str) -> None:
         """The session is over (an event, or idle beyond its learned gaps): learn its length."""
@@ -153,7 +194,7 @@ class SessionTiming:
             self._start_interval = 0.9 * self._start_interval + 0.1 * max(now - self._last_start, 1e-3)
         self._last_start = now
 
-    def _add_gap(self, agent: str, gap: float) -> None:
+    def _add_gap(self, agent: str, gap: float, same_dispatch: bool) -> None:
         b = min(max(int(np.searchsorted(_EDGES, gap, side="right")) - 1, 0), _BINS - 1)
         hist = self._hist.get(agent)
         if hist is None:
@@ -162,7 +203,7 @@ class SessionTiming:
                 self._weight.pop(stale, None)
                 self._continued.pop(stale, None)
                 self._handed_off.pop(stale, None)
-            hist = self._hist[agent] = np.zeros(_BINS)
+            hist = self._hist[agent] = np.zeros((3, _BINS))
             self._weight[agent] = 1.0
         else:
             self._hist.move_to_end(agent)
@@ -171,12 +212,13 @@ class SessionTiming:
             hist /= weight
             weight = 1.0
         self._weight[agent] = weight
-        hist[b] += weight
+        kind = _TOOL if same_dispatch else _HANDOFF
+        hist[(_ALL, kind), b] += weight
         self._global_weight *= self._decay
         if self._global_weight > 1e100:
             self._global /= self._global_weight
             self._global_weight = 1.0
-        self._global[b] += self._global_weight
+        self._global[(_ALL, kind), b] += self._global_weight
         self._gaps += 1
 
     # -- reading ---------------------------------------------------------------------
@@ -190,10 +232,11 @@ class SessionTiming:
         """How many agents have a gap distribution of their own (the rows of ``table``)."""
         return len(self._hist)
 
-    def sessions(self) -> list[tuple[str, str, float, float]]:
-        """(session, current agent, last arrival, P(it ends here)) of every live session, oldest first."""
+    def sessions(self) -> list[tuple[str, str, float, float, bool | None]]:
+        """(session, current agent, last arrival, P(it ends here), its last answer was a tool call
+        (None: not told)) of every live session, oldest first."""
         hazards = [self.end_hazard(n) for n in range(1, _MAX_LENGTH + 1)]
-        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH) - 1])
+        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH) - 1], state.tool_call)
                 for s, state in self._sessions.items()]
 
     def last_seen(self, session: str) -> float | None:
@@ -214,21 +257,15 @@ class SessionTiming:
     def table(self) -> GapTable:
         """Survival and time left of every agent's gap distribution, at the bin edges."""
         agents = tuple(self._hist)
-        own = np.array([self._hist[a] / self._weight[a] for a in agents]).reshape(len(agents), _BINS)
+        own = np.array([self._hist[a] / self._weight[a] for a in agents]).reshape(len(agents), 3, _BINS)
         pooled = self._global / self._global_weight
-        total = pooled.sum()
-        prior = pooled / total if total > 0 else np.full(_BINS, 1.0 / _BINS)
-        mass = np.vstack([own + self.config.prior_gaps * prior[None, :], prior[None, :]])
-        # tail sums from bin b on: P(gap >= edge b)
-        tail = np.cumsum(mass[:, ::-1], axis=1)[:, ::-1]
-        norm = tail[:, :1]
-        survival = np.divide(tail, norm, out=np.zeros_like(tail), where=norm > 0)
-        # the harmonic mean of the time left, 1 / E[1 / (gap - edge b) | gap >= edge b]: a rate
-        # of next use is an average of 1/time, and heavy tails would inflate a plain mean
-        inverse = np.sum(mass[:, None, :] * _INVERSE_LEFT[None, :, :], axis=2)
-        residual = np.divide(tail, inverse, out=np.zeros_like(tail), where=inverse > 0)
-        mean_gap = float(_CENTERS[np.searchsorted(np.cumsum(prior), 0.5)]) if total > 0 else float(_CENTERS.mean())
-        return GapTable(agents, {a: i for i, a in enumerate(agents)}, survival, residual, mean_gap)
+        prior_gaps = self.config.prior_gaps
+        survival, residual, prior = _tables(own[:, _ALL], pooled[_ALL], prior_gaps)
+        tool = _tables(own[:, _TOOL], pooled[_TOOL], prior_gaps)[:2]
+        handoff = _tables(own[:, _HANDOFF], pooled[_HANDOFF], prior_gaps)[:2]
+        mean_gap = float(_CENTERS[np.searchsorted(np.cumsum(prior), 0.5)]) if pooled[_ALL].sum() > 0 \
+            else float(_CENTERS.mean())
+        return GapTable(agents, {a: i for i, a in enumerate(agents)}, survival, residual, mean_gap, tool, handoff)
 
     def state_bytes(self) -> int:
-        return (len(self._hist) + 1) * _BINS * 8 + sum(len(s) + 40 for s in self._sessions)
+        return (len(self._hist) + 1) * 3 * _BINS * 8 + sum(len(s) + 40 for s in self._sessions)

@@ -108,6 +108,35 @@ def test_a_session_in_a_short_tool_call_outranks_the_anchor_of_a_rare_agent():
     assert table.score(History("s1", frozenset("x"))) > table.score(Anchor(frozenset("u")))
 
 
+def test_a_session_told_its_answer_called_a_tool_keeps_the_agents_history_above_one_told_not():
+    # a ring x -> y -> z -> x with 3 s hand-offs; x calls one tool per dispatch (2 s)
+    timing = SessionTiming()
+    t, step = 0.0, 0
+    for _ in range(60):
+        timing.observe("warm", "x", t, step=step)
+        t += 2.0
+        timing.observe("warm", "x", t, step=step)  # the tool returned: same dispatch
+        for agent in "yz":
+            t, step = t + 3.0, step + 1
+            timing.observe("warm", agent, t, step=step)
+        t, step = t + 3.0, step + 1
+    timing.end("warm")
+    learner = _learned({("x", "y"): 100, ("y", "z"): 100, ("z", "x"): 100})
+    for session, tool_call in (("tool", True), ("answer", False), ("untold", None)):
+        timing.observe(session, "x", t, step=0)
+        if tool_call is not None:
+            timing.answered(session, tool_call)
+    assert [entry[4] for entry in timing.sessions()] == [True, False, None]
+    chain = Predictor(learner).chain()
+    table = score_reuse(chain, timing.table(), timing.sessions(), now=t + 0.5, session_start_rate=0.0,
+                        continuation={a: timing.continuation(a) for a in "xyz"}, interposed=None,
+                        predictability=1.0, gap_count=timing.gaps, config=ReuseConfig())
+    tool, answer, untold = (table.score(History(s, frozenset("x"))) for s in ("tool", "answer", "untold"))
+    assert tool > untold > answer  # back in 1.5 s; a mix; back after three hand-offs
+    # after the answer, y is next: that session's y-history is worth more than the tool-caller's
+    assert table.score(History("answer", frozenset("y"))) > table.score(History("tool", frozenset("y")))
+
+
 def test_an_abandoned_session_goes_first_without_any_end_event():
     learner = _learned({("x", "y"): 100, ("y", "x"): 100})
     timing = _timing(1.0, "xy")

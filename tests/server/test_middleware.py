@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -157,3 +158,73 @@ async def test_state_export_and_merge_between_replicas(tmp_path, monkeypatch):
     finally:
         for _, server, _ in replicas:
             server.close()
+
+
+def answering_app(chunks: list[bytes], status: int = 200):
+    """Stands in for vLLM's app: answers with ``chunks`` (a JSON body or server-sent events)."""
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        for i, chunk in enumerate(chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})
+
+    return app
+
+
+TOOL_EVENTS = [b'data: {"choices":[{"delta":{"tool_calls":[{"index":0}]},"finish_reason":null}]}\n\n',
+               b'data: {"choices":[{"delta":{},"finish_reas', b'on":"tool_calls"}]}\n\n', b"data: [DONE]\n\n"]
+TOOLS = {"tools": [{"type": "function", "function": {"name": "search", "parameters": {}}}]}
+
+
+async def _told(runtime: AgentKVRuntime, session: str) -> bool | None:
+    for _ in range(100):
+        told = {entry[0]: entry[4] for entry in runtime.timing.sessions()}.get(session)
+        if told is not None:
+            return told
+        await asyncio.sleep(0.01)
+    return None
+
+
+@pytest.mark.parametrize(("chunks", "status", "body", "told"), [
+    (TOOL_EVENTS, 200, {}, True),  # streamed, the finish reason split across two chunks
+    ([b'{"choices": [{"finish_reason": "tool_calls"}]}'], 200, TOOLS, True),
+    ([b'{"choices":[{"finish_reason":"stop"}]}'], 200, TOOLS, False),  # offered tools, called none
+    ([b'{"choices":[{"finish_reason":"stop"}]}'], 200, {}, None),  # no tools offered: nothing to tell
+    ([b'{"error":{"message":"finish_reason tool_calls"}}'], 400, TOOLS, None),
+])
+async def test_the_engine_learns_whether_an_answer_called_a_tool(runtime_endpoint, chunks, status, body, told):
+    middleware = AgentKVMiddleware(answering_app(chunks, status))
+    session = f"t{len(chunks)}{status}{told}"
+    runtime_endpoint.timing.observe(session, "coder", 0.0, 0)
+    async with client(middleware) as c:
+        response = await c.post("/v1/chat/completions", json={**BODY, **body},
+                                headers={**TAG, "X-AgentKV-Session": session})
+    assert response.content == b"".join(chunks)  # the user's answer is untouched
+    assert await _told(runtime_endpoint, session) is told
+    assert middleware.answer_failures == 0
+
+
+async def test_a_mute_engine_never_fails_the_answer(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTKV_CONTROL", f"ipc://{tmp_path}/nobody.ipc")
+    middleware = AgentKVMiddleware(answering_app([b'{"choices":[{"finish_reason":"tool_calls"}]}']))
+    middleware.timeout = 0.1
+    async with client(middleware) as c:
+        response = await c.post("/v1/chat/completions", json=BODY, headers=TAG)
+    assert response.status_code == 200
+    for _ in range(50):
+        if middleware.answer_failures:
+            break
+        await asyncio.sleep(0.02)
+    assert middleware.answer_failures == 1
+
+
+@pytest.mark.parametrize("request_", [{"op": "answered", "session": "s", "tool_call": 1},
+                                      {"op": "answered", "session": "bad id", "tool_call": True},
+                                      {"op": "answered", "session": ["s"], "tool_call": False}])
+def test_the_answered_op_refuses_malformed_input(request_):
+    runtime = AgentKVRuntime()
+    reply = runtime.handle(request_)
+    assert reply["status"] == 400 and "error" in reply
+    assert runtime.handle({"op": "answered", "session": "s", "tool_call": True}) == {"answered": True}
