@@ -32,9 +32,19 @@ from typing import Any, Final
 
 from autogen_core.models import ChatCompletionClient
 
+from agentkv.client import (
+    ERRORS,
+    Dispatch,
+    count,
+    dispatch_ended,
+    install,
+    push_tag,
+    reset_tag,
+    sanitize_id,
+    tracker,
+)
 from agentkv.protocol import AgentTag
 
-from ._context import _COUNTS, _CURRENT, ERRORS, Dispatch, dispatch_ended, install, sanitize_id, tracker
 from ._events import EventSink, get_sink, session_event
 
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
@@ -61,22 +71,22 @@ class TaggedModelClient(ChatCompletionClient):
             return None
 
     async def create(self, messages: Sequence[Any], **kwargs: Any) -> Any:
-        token = _CURRENT.set(self._tag())
+        token = push_tag(self._tag())
         try:
             return await self._inner.create(messages, **kwargs)
         finally:
-            _reset(token)
+            reset_tag(token)
 
     def create_stream(self, messages: Sequence[Any], **kwargs: Any) -> AsyncGenerator[Any, None]:
         return self._stream(messages, kwargs)
 
     async def _stream(self, messages: Sequence[Any], kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         tag = self._tag()
-        token = _CURRENT.set(tag)
+        token = push_tag(tag)
         try:
             stream = self._inner.create_stream(messages, **kwargs)
         finally:
-            _reset(token)
+            reset_tag(token)
         # Each step of an async generator runs in its consumer's context: set the tag around each step.
         tagged = _run_under(stream, tag, None)
         try:
@@ -115,13 +125,6 @@ class TaggedModelClient(ChatCompletionClient):
         if name in ("_inner", "_tag_factory"):
             raise AttributeError(name)
         return getattr(self._inner, name)
-
-
-def _reset(token: Any) -> None:
-    try:
-        _CURRENT.reset(token)
-    except ValueError:
-        _CURRENT.set(None)
 
 
 def _unwrap(client: Any) -> Any:
@@ -231,7 +234,7 @@ class TeamInstrumentation:
             self._tags.clear()
             self.speakers = []
         tracker().start_session(session)
-        _COUNTS["autogen_runs"] += 1
+        count("autogen_runs")
         if self.sink is not None:
             self.sink.post([self.facts, session_event("session_start", session)])
         return session
@@ -307,13 +310,13 @@ def _wrap_turns(agent: Any, state: TeamInstrumentation) -> None:
 async def _run_under(stream: Any, tag: AgentTag | None, dispatch: Dispatch | None) -> AsyncGenerator[Any, None]:
     try:
         while True:
-            token = _CURRENT.set(tag)
+            token = push_tag(tag)
             try:
                 item = await stream.__anext__()
             except StopAsyncIteration:
                 return
             finally:
-                _reset(token)
+                reset_tag(token)
             yield item
     finally:
         try:

@@ -34,12 +34,10 @@ from langchain_core.runnables.config import merge_configs
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.types import Command, Send
 
-from agentkv.protocol import AgentTag
-
-from ._context import (
-    _COUNTS,
+from agentkv.client import (
     ERRORS,
     Dispatch,
+    count,
     dispatch_ended,
     install,
     learner_listener,
@@ -48,6 +46,8 @@ from ._context import (
     set_tag,
     tracker,
 )
+from agentkv.protocol import AgentTag
+
 from ._events import EventSink, get_sink, session_event
 
 __all__ = ["AgentKVCallbackHandler", "InstrumentedGraph", "graph_facts", "instrument"]
@@ -356,7 +356,7 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
         tracker().start_session(session, keep_lineage=resume)
         episode = _Episode(session, len(segments), initial or "")
         self._runs[run_id] = _Run(episode, 0, None, None, False, is_root=True)
-        _COUNTS["langgraph_runs"] += 1
+        count("langgraph_runs")
         if self._on_episode_start is not None:
             self._on_episode_start(session)
 

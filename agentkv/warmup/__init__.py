@@ -10,10 +10,11 @@ that agent's *anchor* (the exact prefix its calls share, captured from its real 
 ``max_tokens=1`` warm-up request. See ``docs/frameworks.md`` ("Warm-up").
 """
 
+from agentkv.client import TaggedResponse, on_response
+
 from ._anchors import Anchor, AnchorBook, Divergence, common_prefix
 from ._coordinator import WarmupCoordinator
 from ._decision import JobState, TargetState, TokenBucket, WarmupDecision, WarmupPolicy
-from ._responses import TaggedResponse, on_response
 
 __all__ = [
     "Anchor",

@@ -8,7 +8,7 @@ templates insert today's date; the key order inside a tool's ``parameters`` chan
 tool lists built from a set change order between processes; vLLM rejects ``tools: []``. So anchors
 are never rebuilt from what the app *declares*: they are taken from what it *sends*.
 
-* **Capture** (:meth:`AnchorBook.observe`, an ``agentkv.frameworks.on_request`` listener, cheap, on
+* **Capture** (:meth:`AnchorBook.observe`, an ``agentkv.client.on_request`` listener, cheap, on
   the caller's thread): per agent, a JSON snapshot of the prompt-determining fields of its real
   requests (``model``, ``messages``, ``tools``, template options, ``cache_salt``; or ``prompt``), and
   their *structure*: canonical JSON of ``messages[0]`` and of each tool, byte for byte (key order
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from agentkv.frameworks._context import ErrorCounter, TaggedRequest
+from agentkv.client import ErrorCounter, TaggedRequest, install, on_request
 
 __all__ = ["Anchor", "AnchorBook", "Divergence", "Structure", "common_prefix", "same_server"]
 
@@ -363,9 +363,7 @@ class AnchorBook:
     # -- subscription ------------------------------------------------------------------
 
     def attach(self) -> AnchorBook:
-        """Subscribe :meth:`observe` to ``agentkv.frameworks.on_request`` (idempotent)."""
-        from agentkv.frameworks import install, on_request
-
+        """Subscribe :meth:`observe` to ``agentkv.client.on_request`` (idempotent)."""
         install()
         if self._unsubscribe is None:
             self._unsubscribe = on_request(self.observe)

@@ -50,13 +50,23 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agentkv.frameworks._context import Dispatch, ErrorCounter, learner_listener, routing_header
+from agentkv.client import (
+    Dispatch,
+    ErrorCounter,
+    TaggedResponse,
+    install,
+    learner_listener,
+    on_dispatch,
+    on_dispatch_end,
+    on_response,
+    on_session_end,
+    routing_header,
+    usage_of,
+)
 from agentkv.protocol import STATS_PATH, AgentTag
 
-from . import _responses
 from ._anchors import DEFAULT_BLOCK_SIZE, Anchor, AnchorBook, same_server
 from ._decision import JobState, TargetState, TokenBucket, WarmupPolicy
-from ._responses import TaggedResponse, usage_of
 
 __all__ = ["CLOSE_TIMEOUT", "TokenBucket", "WarmupCoordinator"]
 
@@ -228,8 +238,6 @@ class WarmupCoordinator:
 
     def start(self) -> WarmupCoordinator:
         """Subscribe to the hooks and start the worker thread (idempotent)."""
-        from agentkv.frameworks import install, on_dispatch, on_dispatch_end, on_session_end
-
         with self._lock:
             if self._thread is not None or self._closed:
                 return self
@@ -240,7 +248,7 @@ class WarmupCoordinator:
             on_dispatch(self._on_dispatch),
             on_dispatch_end(self._on_dispatch_end),
             on_session_end(self._on_session_end),
-            _responses.on_response(self._on_response),
+            on_response(self._on_response),
         ]
         self._thread.start()
         return self

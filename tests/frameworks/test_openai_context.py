@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 import agentkv
+import agentkv.client
 from agentkv.frameworks import (
     Dispatch,
     TaggedRequest,
-    _context,
     current_tag,
     install,
     on_dispatch,
@@ -53,7 +53,7 @@ def _ask(client, text: str = "hi", **kwargs):
 
 
 def test_top_level_exports_are_lazy_and_work():
-    assert agentkv.agent is _context.agent
+    assert agentkv.agent is agentkv.client.agent
     if importlib.util.find_spec("langgraph") is not None:
         assert agentkv.instrument.__module__ == "agentkv.frameworks.langgraph"
     with pytest.raises(AttributeError):
@@ -205,7 +205,7 @@ def test_failures_never_break_the_call(server, session, monkeypatch, caplog):
 
     unsubscribe_d = on_dispatch(boom)
     unsubscribe_r = on_request(boom)
-    monkeypatch.setattr(_context.ERRORS, "by_kind", type(_context.ERRORS.by_kind)())
+    monkeypatch.setattr(agentkv.client.ERRORS, "by_kind", type(agentkv.client.ERRORS.by_kind)())
     try:
         with caplog.at_level(logging.WARNING, logger="agentkv.frameworks"):
             client = server.openai()
