@@ -4,21 +4,12 @@
     agentkv.frameworks.autogen.instrument(team, events_url="http://127.0.0.1:8000")
     await team.run(task="...")
 
-Seams (verified on autogen-agentchat 0.7.5, see the field notes): each participant's
-``_model_client`` and the team's ``_model_client`` (the selector's) are replaced, before the first
-run, by a proxy that runs ``create``/``create_stream`` under the right tag; each participant's
+Seams (autogen-agentchat 0.7.5): each participant's ``_model_client`` and the team's (the selector's)
+are replaced, before the first run, by a :class:`TaggedModelClient`; each participant's
 ``on_messages_stream`` is wrapped to mark a speaker turn (one dispatch per turn, parent = previous
-speaker); the team's ``run_stream`` (which ``run`` calls) is wrapped to open and close the session.
-``instrument`` mutates the team and returns it, so the team stays a real ``SelectorGroupChat``
-(usable as a participant, serializable with ``dump_component``).
-
-The selector's own model calls are tagged ``agent="selector"`` (``selector_name=``) with the last
-speaker as parent (``""`` before the first speaker) and the last speaker's step (0 before the first);
-they are not dispatches, so the lineage and :func:`~agentkv.on_dispatch` see speaker transitions
-only, and every speaker names the previous speaker. The server thus sees ``P -> selector`` and then
-``P -> next speaker``, and learns the selector as interposed (called between turns, off the speaker
-chain). With two participants and ``allow_repeated_speaker=False`` AutoGen skips the selector model
-after the first turn (one candidate left).
+speaker); the team's ``run_stream`` is wrapped to open and close the session. ``instrument`` mutates
+the team and returns it, so it stays a real team. The selector's own model calls are tagged
+``agent="selector"`` and are not dispatches (see docs/frameworks.md, "AutoGen").
 """
 
 from __future__ import annotations
