@@ -12,9 +12,11 @@ that agent's *anchor* (the exact prefix its calls share, captured from its real 
 
 from agentkv.client import TaggedResponse, on_response
 
-from ._anchors import Anchor, AnchorBook, Divergence, common_prefix
+from ._anchors import Anchor, AnchorBook
+from ._config import WarmupConfig
 from ._coordinator import WarmupCoordinator
 from ._decision import JobState, TargetState, TokenBucket, WarmupDecision, WarmupPolicy
+from ._lint import Divergence, common_prefix
 
 __all__ = [
     "Anchor",
@@ -24,6 +26,7 @@ __all__ = [
     "TaggedResponse",
     "TargetState",
     "TokenBucket",
+    "WarmupConfig",
     "WarmupCoordinator",
     "WarmupDecision",
     "WarmupPolicy",
