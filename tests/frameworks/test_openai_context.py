@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -26,26 +24,6 @@ from agentkv.frameworks import (
     use_tag,
 )
 from agentkv.protocol import AgentTag, validate_id
-
-from ._fakes import FakeOpenAI
-
-
-@pytest.fixture
-def server() -> FakeOpenAI:
-    return FakeOpenAI()
-
-
-@pytest.fixture
-def session() -> str:
-    return f"s-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def dispatches() -> Iterator[list[Dispatch]]:
-    seen: list[Dispatch] = []
-    unsubscribe = on_dispatch(seen.append)
-    yield seen
-    unsubscribe()
 
 
 def _ask(client, text: str = "hi", **kwargs):
