@@ -48,6 +48,10 @@ def test_install_is_idempotent_and_wraps_both_clients():
     assert getattr(async_hook, "__agentkv_wrapped__", None) is not None
     assert getattr(sync_hook.__agentkv_wrapped__, "__agentkv_wrapped__", None) is None  # wrapped once
     assert asyncio.iscoroutinefunction(async_hook)
+    for cls in (_base_client.SyncAPIClient, _base_client.AsyncAPIClient):  # the same patch reports responses
+        response_hook = cls._process_response
+        assert getattr(response_hook.__agentkv_wrapped__, "__agentkv_wrapped__", None) is None
+    assert asyncio.iscoroutinefunction(_base_client.AsyncAPIClient._process_response)
 
 
 def test_untagged_calls_carry_no_agentkv_headers(server):
