@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return instrument
     if name == "agent":
-        from .frameworks._context import agent
+        from .client import agent
 
         return agent
     raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

@@ -187,7 +187,9 @@ async def run(args: argparse.Namespace, base_url: str) -> None:
         await team.reset()
     print(f"selector: {selector.calls} model calls, {selector.usable} usable answers (else: seeded hand-off)")
     if root:
-        await asyncio.sleep(0.5)  # session events are posted in the background
+        state = instrumentation(team)
+        if state is not None and state.sink is not None:
+            await asyncio.to_thread(state.sink.flush)  # session events are posted in the background
         stats = httpx.get(root + "/agentkv/v1/stats", timeout=10, trust_env=False).json()
         print_stats(stats)
 

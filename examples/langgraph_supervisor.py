@@ -460,7 +460,7 @@ async def _main_async(args: argparse.Namespace, base_url: str) -> None:
 
     await asyncio.gather(*(one(i) for i in range(args.sessions)))
     if root:
-        await asyncio.sleep(0.5)  # session_end events are posted in the background
+        await asyncio.to_thread(app.sink.flush)  # session_end events are posted in the background
         _print_stats(root)
 
 

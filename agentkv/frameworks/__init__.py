@@ -1,10 +1,11 @@
 """Framework adapters (LangGraph, AutoGen, plain OpenAI SDK).
 
-The core (this package) needs only the openai SDK; ``agentkv.frameworks.langgraph`` and
-``agentkv.frameworks.autogen`` import their framework when imported.
+This package re-exports the client core (:mod:`agentkv.client`: tagging, hooks, lineage, the SDK
+patch) and the event sink; ``agentkv.frameworks.langgraph`` and ``agentkv.frameworks.autogen``
+import their framework when imported.
 """
 
-from ._context import (
+from agentkv.client import (
     UNSET,
     Dispatch,
     SessionTracker,
@@ -26,6 +27,7 @@ from ._context import (
     uninstall,
     use_tag,
 )
+
 from ._events import EventSink
 
 __all__ = [

@@ -26,9 +26,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from agentkv.client import ERRORS, count
 from agentkv.protocol import EVENTS_PATH, PROTOCOL_VERSION, validate_events
-
-from ._context import _COUNTS, ERRORS
 
 __all__ = ["CLOSE_TIMEOUT", "EventSink", "events_endpoint", "get_sink", "new_event_id", "session_event"]
 
@@ -145,7 +144,7 @@ class EventSink:
                     break
             if self.pending:
                 self.dropped += self.pending
-                _COUNTS["events_dropped"] += self.pending
+                count("events_dropped", self.pending)
                 self.pending = 0
                 self._abandoned = True
                 self._idle.notify_all()
@@ -162,7 +161,7 @@ class EventSink:
     def _drop(self, deliveries: int) -> None:
         with self._lock:
             self.dropped += deliveries
-        _COUNTS["events_dropped"] += deliveries
+        count("events_dropped", deliveries)
 
     def _count(self, outcome: str, deliveries: int) -> None:
         """Move ``deliveries`` from pending to ``outcome`` (sent or failed), unless close() gave up."""
@@ -171,7 +170,7 @@ class EventSink:
                 return
             setattr(self, outcome, getattr(self, outcome) + deliveries)
             self.pending -= deliveries
-            _COUNTS[f"events_{outcome}"] += deliveries
+            count(f"events_{outcome}", deliveries)
             self._idle.notify_all()
 
     def _start(self) -> None:

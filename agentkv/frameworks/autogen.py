@@ -4,21 +4,12 @@
     agentkv.frameworks.autogen.instrument(team, events_url="http://127.0.0.1:8000")
     await team.run(task="...")
 
-Seams (verified on autogen-agentchat 0.7.5, see the field notes): each participant's
-``_model_client`` and the team's ``_model_client`` (the selector's) are replaced, before the first
-run, by a proxy that runs ``create``/``create_stream`` under the right tag; each participant's
+Seams (autogen-agentchat 0.7.5): each participant's ``_model_client`` and the team's (the selector's)
+are replaced, before the first run, by a :class:`TaggedModelClient`; each participant's
 ``on_messages_stream`` is wrapped to mark a speaker turn (one dispatch per turn, parent = previous
-speaker); the team's ``run_stream`` (which ``run`` calls) is wrapped to open and close the session.
-``instrument`` mutates the team and returns it, so the team stays a real ``SelectorGroupChat``
-(usable as a participant, serializable with ``dump_component``).
-
-The selector's own model calls are tagged ``agent="selector"`` (``selector_name=``) with the last
-speaker as parent (``""`` before the first speaker) and the last speaker's step (0 before the first);
-they are not dispatches, so the lineage and :func:`~agentkv.on_dispatch` see speaker transitions
-only, and every speaker names the previous speaker. The server thus sees ``P -> selector`` and then
-``P -> next speaker``, and learns the selector as interposed (called between turns, off the speaker
-chain). With two participants and ``allow_repeated_speaker=False`` AutoGen skips the selector model
-after the first turn (one candidate left).
+speaker); the team's ``run_stream`` is wrapped to open and close the session. ``instrument`` mutates
+the team and returns it, so it stays a real team. The selector's own model calls are tagged
+``agent="selector"`` and are not dispatches (see docs/frameworks.md, "AutoGen").
 """
 
 from __future__ import annotations
@@ -32,9 +23,19 @@ from typing import Any, Final
 
 from autogen_core.models import ChatCompletionClient
 
+from agentkv.client import (
+    ERRORS,
+    Dispatch,
+    count,
+    dispatch_ended,
+    install,
+    push_tag,
+    reset_tag,
+    sanitize_id,
+    tracker,
+)
 from agentkv.protocol import AgentTag
 
-from ._context import _COUNTS, _CURRENT, ERRORS, Dispatch, dispatch_ended, install, sanitize_id, tracker
 from ._events import EventSink, get_sink, session_event
 
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
@@ -61,22 +62,22 @@ class TaggedModelClient(ChatCompletionClient):
             return None
 
     async def create(self, messages: Sequence[Any], **kwargs: Any) -> Any:
-        token = _CURRENT.set(self._tag())
+        token = push_tag(self._tag())
         try:
             return await self._inner.create(messages, **kwargs)
         finally:
-            _reset(token)
+            reset_tag(token)
 
     def create_stream(self, messages: Sequence[Any], **kwargs: Any) -> AsyncGenerator[Any, None]:
         return self._stream(messages, kwargs)
 
     async def _stream(self, messages: Sequence[Any], kwargs: dict[str, Any]) -> AsyncGenerator[Any, None]:
         tag = self._tag()
-        token = _CURRENT.set(tag)
+        token = push_tag(tag)
         try:
             stream = self._inner.create_stream(messages, **kwargs)
         finally:
-            _reset(token)
+            reset_tag(token)
         # Each step of an async generator runs in its consumer's context: set the tag around each step.
         tagged = _run_under(stream, tag, None)
         try:
@@ -115,13 +116,6 @@ class TaggedModelClient(ChatCompletionClient):
         if name in ("_inner", "_tag_factory"):
             raise AttributeError(name)
         return getattr(self._inner, name)
-
-
-def _reset(token: Any) -> None:
-    try:
-        _CURRENT.reset(token)
-    except ValueError:
-        _CURRENT.set(None)
 
 
 def _unwrap(client: Any) -> Any:
@@ -231,7 +225,7 @@ class TeamInstrumentation:
             self._tags.clear()
             self.speakers = []
         tracker().start_session(session)
-        _COUNTS["autogen_runs"] += 1
+        count("autogen_runs")
         if self.sink is not None:
             self.sink.post([self.facts, session_event("session_start", session)])
         return session
@@ -307,13 +301,13 @@ def _wrap_turns(agent: Any, state: TeamInstrumentation) -> None:
 async def _run_under(stream: Any, tag: AgentTag | None, dispatch: Dispatch | None) -> AsyncGenerator[Any, None]:
     try:
         while True:
-            token = _CURRENT.set(tag)
+            token = push_tag(tag)
             try:
                 item = await stream.__anext__()
             except StopAsyncIteration:
                 return
             finally:
-                _reset(token)
+                reset_tag(token)
             yield item
     finally:
         try:

@@ -10,10 +10,13 @@ that agent's *anchor* (the exact prefix its calls share, captured from its real 
 ``max_tokens=1`` warm-up request. See ``docs/frameworks.md`` ("Warm-up").
 """
 
-from ._anchors import Anchor, AnchorBook, Divergence, common_prefix
+from agentkv.client import TaggedResponse, on_response
+
+from ._anchors import Anchor, AnchorBook
+from ._config import WarmupConfig
 from ._coordinator import WarmupCoordinator
 from ._decision import JobState, TargetState, TokenBucket, WarmupDecision, WarmupPolicy
-from ._responses import TaggedResponse, on_response
+from ._lint import Divergence, common_prefix
 
 __all__ = [
     "Anchor",
@@ -23,6 +26,7 @@ __all__ = [
     "TaggedResponse",
     "TargetState",
     "TokenBucket",
+    "WarmupConfig",
     "WarmupCoordinator",
     "WarmupDecision",
     "WarmupPolicy",

@@ -1,70 +1,51 @@
 """Background anchor warm-up: after each dispatch, re-prefill the anchor of the agent predicted next.
 
-Seed 001 §3.4: in the pause after an agent's turn, predict the next agent (a* = argmax P(a | a_t))
-and, if execution is predictable enough (R >= R_min) and a rate limit allows, send a request
-holding only that agent's anchor with ``max_tokens=1``, tagged as a warm-up so the server serves it
-normally but never learns from it. Off the critical path: the user's calls never wait for it.
-
-Design (see docs/frameworks.md, "Warm-up"):
-
-* Hooks: the first answer of a dispatch's model call (``_responses``; a stream at its first bytes)
-  enqueues a job: the rest of the dispatch (decoding, its tool step) is the pause before the next
-  agent; ``on_dispatch_end`` enqueues it for dispatches without an observed answer; ``on_dispatch`` feeds the optional
-  client-side learner and marks the session's pause as over (a job that is still queued when the
-  next agent already started is skipped as ``late``: the real call is computing the prefix anyway);
-  ``on_session_end`` drops the session's pending jobs; ``on_request`` captures anchors
-  (:class:`~agentkv.warmup.AnchorBook`) and the agents' last use; responses (see ``_responses``)
-  tell whether a warm-up was useful.
-* One daemon worker thread and a bounded queue (the oldest job is dropped and counted when full).
-  Every network call has an httpx timeout; every error is counted by kind and logged once. Nothing
-  raises into, blocks or slows the application's calls.
-* The decision is :class:`~agentkv.warmup.WarmupPolicy` (``_decision``), the same pure function the
-  replay's ``agentkv+warmup`` runs; each gate that stops a job is counted in ``skipped``. Its inputs
-  come from the server's ``/metrics``, read at most every ``metrics_interval`` seconds: requests
-  running and waiting (``vllm:num_requests_*``), free KV blocks (``agentkv_kv_free_blocks``) and
-  whether the predicted agent's anchor is resident (``agentkv_anchor_resident_blocks`` >=
-  ``agentkv_anchor_length_blocks``). What a server cannot tell (vanilla vLLM, an agent whose anchor
-  it has not learned yet, metrics that fail) does not block a warm-up and is counted in
-  ``fallbacks``.
-* The warm-up replays the anchor's exact token ids as ``POST /v1/completions`` ``prompt: [ids]``
-  (``max_tokens: 1``) with ``AgentTag(agent, warmup=True).to_headers()``; without a ``/tokenize``
-  endpoint it replays ``messages[0]`` + tools as a chat request. The tag carries no session: the
-  warmed blocks are the agent's anchor, not any session's history, and an ended session is never
-  revived by a late warm-up.
-* ``useful``: the predicted agent's next real call (non-streaming) reported ``cached_tokens`` >=
-  the warmed anchor length; ``not_useful`` when it reported less; ``unmeasured`` when it did not
-  report it; ``unused`` when no call of that agent came within ``useful_window`` seconds.
+In the pause after an agent's turn (from its model call's answer, or the dispatch's end), predict the
+next agent and, when :class:`~agentkv.warmup.WarmupPolicy` allows, send a ``max_tokens=1`` request
+holding only that agent's anchor, tagged as a warm-up and without a session. Off the critical path:
+hooks only queue jobs; one daemon worker decides and sends. See docs/frameworks.md ("Warm-up").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import re
 import threading
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agentkv.frameworks._context import Dispatch, ErrorCounter, learner_listener, routing_header
-from agentkv.protocol import STATS_PATH, AgentTag
+from agentkv._bounded import BoundedDict
+from agentkv.client import (
+    Dispatch,
+    ErrorCounter,
+    TaggedResponse,
+    install,
+    learner_listener,
+    on_dispatch,
+    on_dispatch_end,
+    on_response,
+    on_session_end,
+)
 
-from . import _responses
-from ._anchors import DEFAULT_BLOCK_SIZE, Anchor, AnchorBook, same_server
-from ._decision import JobState, TargetState, TokenBucket, WarmupPolicy
-from ._responses import TaggedResponse, usage_of
+from ._anchors import DEFAULT_BLOCK_SIZE, Anchor, AnchorBook
+from ._config import WarmupConfig
+from ._decision import JobState, TargetState, TokenBucket
+from ._ledger import WarmupLedger
+from ._prediction import Prediction, predict_from_stats, predict_with_learner, predictor_of
+from ._server import NoTokenizer, WarmupServer, blocks_to_warm, warmup_request
+from ._urls import same_server, server_root
 
-__all__ = ["CLOSE_TIMEOUT", "TokenBucket", "WarmupCoordinator"]
+__all__ = ["CLOSE_TIMEOUT", "WarmupCoordinator"]
 
 logger = logging.getLogger("agentkv.warmup")
 
 CLOSE_TIMEOUT: Final = 1.0  # seconds close() waits for the job in progress
 _MAX_SESSIONS: Final = 65_536
-_RECENT: Final = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,160 +57,74 @@ class _Job:
     queued: float = field(default_factory=time.monotonic)
 
 
-@dataclass(slots=True)
-class _Pending:
-    tokens: int  # warmed anchor length (tokens, block-floored)
-    at: float
-
-
-def _server_root(url: str) -> str:
-    """``http://host:port`` from a base URL that may end in ``/v1``."""
-    parts = urlsplit(url.rstrip("/"))
-    path = parts.path.rstrip("/")
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
-    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
-
-
-@dataclass(slots=True)
-class ServerView:
-    """What one ``GET /metrics`` tells about the engine (None: the server did not say).
-
-    ``anchors``: agent -> (leading anchor blocks resident, learned anchor length in blocks).
-    """
-
-    running: float | None = None
-    waiting: float | None = None
-    free_blocks: int | None = None
-    anchors: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    def resident(self, agent: str) -> bool | None:
-        resident, length = self.anchors.get(agent, (0, 0))
-        return None if length <= 0 else resident >= length
-
-
-_SAMPLE: Final = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)')
-_AGENT_LABEL: Final = re.compile(r'agent="((?:[^"\\]|\\.)*)"')
-
-
-def parse_server_view(text: str) -> ServerView:
-    """The engine's queue (summed over engines), free blocks and anchor residency from Prometheus text."""
-    view = ServerView()
-    resident: dict[str, int] = {}
-    length: dict[str, int] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, labels, raw = match.groups()
-        if name == "vllm:num_requests_running":
-            view.running = (view.running or 0.0) + float(raw)
-        elif name == "vllm:num_requests_waiting":
-            view.waiting = (view.waiting or 0.0) + float(raw)
-        elif name == "agentkv_kv_free_blocks":
-            view.free_blocks = int(float(raw))
-        elif name in ("agentkv_anchor_resident_blocks", "agentkv_anchor_length_blocks"):
-            agent = _AGENT_LABEL.search(labels or "")
-            if agent is not None:
-                table = resident if name == "agentkv_anchor_resident_blocks" else length
-                table[_unescape(agent.group(1))] = int(float(raw))
-    view.anchors = {a: (resident.get(a, 0), n) for a, n in length.items()}
-    return view
-
-
-def _unescape(label: str) -> str:
-    """A Prometheus label value as written: ``\\\\``, ``\\"`` and ``\\n`` are escapes."""
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), label)
-
-
 class WarmupCoordinator:
     """Warms the predicted next agent's anchor in the pause after each dispatch (see module doc).
 
-    ``base_url``: the vLLM server (``http://host:port``, with or without ``/v1``). ``model``: the
-    served model name for warm-ups (default: the one the agent's calls used). ``learner``: a
-    client-side ``TransitionLearner`` or ``Predictor`` to predict with (fed from ``on_dispatch``
-    unless ``feed_learner=False``, e.g. when ``instrument(learner=...)`` already feeds it); without
-    one, the server's learned ``transitions`` and ``predictability`` (``GET /agentkv/v1/stats``, read
-    at most every ``stats_interval`` s) are used. ``block_size``: default the server's (stats), else 32.
-    ``r_min``, ``min_probability``, ``max_waiting``, ``max_load``, ``min_free_blocks``: the thresholds
-    of :class:`~agentkv.warmup.WarmupPolicy`; ``max_per_second`` and ``burst``: its rate limiter.
+    ``base_url``: the vLLM server (``http://host:port``, with or without ``/v1``). ``config``: a
+    :class:`WarmupConfig`; keyword ``settings`` (``max_per_second=5``, ...) override its fields.
+    ``learner``: a client-side ``TransitionLearner`` or ``Predictor`` to predict with (fed from
+    ``on_dispatch`` unless ``feed_learner=False``, e.g. when ``instrument(learner=...)`` already
+    feeds it); without one, the server's learned ``transitions`` and ``predictability`` (``GET
+    /agentkv/v1/stats``) are used. ``anchors``: an :class:`~agentkv.warmup.AnchorBook` to share.
     ``transport``: an httpx transport (tests). Use as a context manager or call ``start``/``close``.
+
+    Invariants: hooks never block or raise into the application (errors are counted by kind and
+    logged once); at most ``queue_size`` jobs wait, the oldest dropped and counted; ``close`` never
+    waits longer than its ``timeout``.
     """
 
     def __init__(
         self,
         base_url: str,
+        config: WarmupConfig | None = None,
         *,
-        model: str | None = None,
         learner: Any = None,
         feed_learner: bool = True,
-        r_min: float = 0.3,
-        min_probability: float = 0.0,
-        max_per_second: float = 2.0,
-        burst: float | None = None,
-        max_waiting: int | None = 0,
-        max_load: int | None = None,
-        min_free_blocks: int = 0,
-        metrics_interval: float = 0.5,
-        stats_interval: float = 2.0,
-        useful_window: float = 120.0,
-        queue_size: int = 8,
-        timeout: float = 10.0,
-        block_size: int | None = None,
         anchors: AnchorBook | None = None,
         transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        **settings: Any,
     ) -> None:
-        self.base_url = _server_root(base_url)
-        self.model = model
-        self.policy = WarmupPolicy(r_min=r_min, min_probability=min_probability, max_waiting=max_waiting,
-                                   max_load=max_load, min_free_blocks=min_free_blocks)
-        self.metrics_interval = metrics_interval
-        self.stats_interval = stats_interval
-        self.useful_window = useful_window
-        self.timeout = timeout
+        self.config = config = dataclasses.replace(config or WarmupConfig(), **settings)
+        self.base_url = server_root(base_url)
+        self.policy = config.policy()
         self.clock = clock
         self.anchors = anchors if anchors is not None else AnchorBook(base_url=self.base_url, clock=clock)
-        if block_size is not None:
-            self.anchors.block_size = block_size
-        self._block_size_known = block_size is not None
-        self._predictor, self._learner = _predictor_of(learner)
+        if config.block_size is not None:
+            self.anchors.block_size = config.block_size
+        self._block_size_known = config.block_size is not None
+        self._predictor, self._learner = predictor_of(learner)
         self._feed = feed_learner and self._learner is not None
         self._observe = learner_listener(self._learner) if self._feed else None
         self._learner_lock = threading.Lock()  # the learner is fed on app threads and read by the worker
-        self._bucket = TokenBucket(max_per_second, burst if burst is not None else max(1.0, max_per_second), clock)
+        self._bucket = TokenBucket(config.max_per_second, config.bucket_capacity, clock)
         self._transport = transport
         self.errors = ErrorCounter(logger)
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: deque[_Job] = deque()
-        self._queue_size = max(1, queue_size)
+        self._queue_size = max(1, config.queue_size)
         self._busy_worker = False
         self._closed = False
         self._thread: threading.Thread | None = None
         self._unsubscribe: list[Callable[[], None]] = []
-        self._client: httpx.Client | None = None
+        self._server: WarmupServer | None = None  # created by the worker
 
-        self._seq: OrderedDict[str, int] = OrderedDict()  # session -> dispatches seen
-        self._ended: OrderedDict[str, None] = OrderedDict()
-        self._predicted: OrderedDict[str, str] = OrderedDict()  # session -> agent a warm-up bet on
-        self._answered: OrderedDict[str, int] = OrderedDict()  # session -> dispatch whose call answered
-        self._pending: dict[str, _Pending] = {}
-        self._view: tuple[float, ServerView] | None = None  # (read at, what /metrics said)
-        self._server_stats: tuple[float, Mapping[str, Any] | None] | None = None
+        self._seq: BoundedDict[str, int] = BoundedDict(_MAX_SESSIONS)  # session -> dispatches seen
+        self._ended: BoundedDict[str, None] = BoundedDict(_MAX_SESSIONS)
+        self._predicted: BoundedDict[str, str] = BoundedDict(_MAX_SESSIONS)  # session -> agent a warm-up bet on
+        self._answered: BoundedDict[str, int] = BoundedDict(_MAX_SESSIONS)  # session -> dispatch whose call answered
         self._chat_mode = False
         self.counts: Counter[str] = Counter()
         self.skipped: Counter[str] = Counter()
         self.fallbacks: Counter[str] = Counter()
-        self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
+        self._ledger = WarmupLedger(self.counts, config.useful_window, clock)
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> WarmupCoordinator:
         """Subscribe to the hooks and start the worker thread (idempotent)."""
-        from agentkv.frameworks import install, on_dispatch, on_dispatch_end, on_session_end
-
         with self._lock:
             if self._thread is not None or self._closed:
                 return self
@@ -240,7 +135,7 @@ class WarmupCoordinator:
             on_dispatch(self._on_dispatch),
             on_dispatch_end(self._on_dispatch_end),
             on_session_end(self._on_session_end),
-            _responses.on_response(self._on_response),
+            on_response(self._on_response),
         ]
         self._thread.start()
         return self
@@ -287,9 +182,6 @@ class WarmupCoordinator:
             return
         with self._lock:
             self._seq[d.session] = self._seq.get(d.session, 0) + 1
-            self._seq.move_to_end(d.session)
-            if len(self._seq) > _MAX_SESSIONS:
-                self._seq.popitem(last=False)
             self._ended.pop(d.session, None)
             bet = self._predicted.pop(d.session, None)
             if bet is not None:
@@ -311,8 +203,6 @@ class WarmupCoordinator:
                 self.errors.record("learner end_session", exc)
         with self._lock:
             self._ended[session] = None
-            if len(self._ended) > _MAX_SESSIONS:
-                self._ended.popitem(last=False)
             self._predicted.pop(session, None)
 
     def _on_response(self, response: TaggedResponse) -> None:
@@ -325,23 +215,8 @@ class WarmupCoordinator:
                 # The model answered: the rest of the dispatch (decoding, the tool step) is the
                 # pause before the next agent; a job queued at the dispatch's end would be late.
                 self._answered[session] = seq
-                self._answered.move_to_end(session)
-                if len(self._answered) > _MAX_SESSIONS:
-                    self._answered.popitem(last=False)
                 self._enqueue(_Job(agent, session, seq, queued=self.clock()))
-            pending = self._pending.pop(agent, None)
-            if pending is None:
-                return
-            if response.cached_tokens is None:
-                self.counts["unmeasured"] += 1
-            elif response.cached_tokens >= pending.tokens:
-                self.counts["useful"] += 1
-            else:
-                self.counts["not_useful"] += 1
-            for record in reversed(self.recent):
-                if record["agent"] == agent and "next_call_cached_tokens" not in record:
-                    record["next_call_cached_tokens"] = response.cached_tokens
-                    break
+            self._ledger.real_call(agent, response.cached_tokens)
 
     def warm(self, agent: str) -> None:
         """Queue a warm-up of ``agent``'s anchor now (no prediction, no predictability gate)."""
@@ -362,9 +237,10 @@ class WarmupCoordinator:
 
     def _run(self) -> None:
         try:
-            timeout = httpx.Timeout(self.timeout, connect=min(2.0, self.timeout))
-            self._client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False,
-                                        transport=self._transport)
+            timeout = httpx.Timeout(self.config.timeout, connect=min(2.0, self.config.timeout))
+            client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False, transport=self._transport)
+            server = WarmupServer(client, self.errors, self.clock, stats_interval=self.config.stats_interval,
+                                  metrics_interval=self.config.metrics_interval, model=self.config.model)
         except Exception as exc:
             self.errors.record("warm-up client", exc)
             return
@@ -378,7 +254,7 @@ class WarmupCoordinator:
                     job = self._queue.popleft()
                     self._busy_worker = True
                 try:
-                    self._handle(job)
+                    self._handle(job, server)
                 except Exception as exc:  # a bug here must not kill the worker
                     self.errors.record("warm-up job", exc)
                 finally:
@@ -387,7 +263,7 @@ class WarmupCoordinator:
                         self._wake.notify_all()
         finally:
             try:
-                self._client.close()
+                client.close()
             except Exception:
                 pass
 
@@ -395,7 +271,7 @@ class WarmupCoordinator:
         with self._lock:
             self.skipped[reason] += 1
 
-    def _handle(self, job: _Job) -> None:
+    def _handle(self, job: _Job, server: WarmupServer) -> None:
         with self._lock:
             ended = job.session is not None and job.session in self._ended
             late = job.session is not None and self._seq.get(job.session, 0) != job.seq
@@ -403,7 +279,7 @@ class WarmupCoordinator:
             target: str | None = job.agent if job.manual else None
             state = JobState(target, session_ended=ended, late=late, manual=job.manual)
         else:
-            prediction = self._predict(job.agent)
+            prediction = self._predict(job.agent, server)
             target = None if prediction is None else prediction[0]
             state = JobState(None) if prediction is None else JobState(*prediction)
         anchor: Anchor | None = None
@@ -411,10 +287,10 @@ class WarmupCoordinator:
         def target_state() -> TargetState:
             nonlocal anchor
             assert target is not None
-            self._ensure_block_size()
-            anchor = self._anchor(target)
-            view = self._server_view()
-            return TargetState(_blocks_to_warm(anchor, view, target), view.resident(target), view.waiting,
+            self._ensure_block_size(server)
+            anchor = self._anchor(target, server)
+            view = server.view()
+            return TargetState(blocks_to_warm(anchor, view, target), view.resident(target), view.waiting,
                                view.running, view.free_blocks)
 
         decision = self.policy.decide(state, target_state, self._take)
@@ -429,7 +305,7 @@ class WarmupCoordinator:
             self._skip("late")
             return
         assert target is not None and anchor is not None
-        self._send(target, anchor, job)
+        self._send(target, anchor, job, server)
 
     def _take(self) -> bool:
         with self._lock:
@@ -437,54 +313,21 @@ class WarmupCoordinator:
 
     # -- prediction --------------------------------------------------------------------
 
-    def _predict(self, agent: str) -> tuple[str, float, bool, float] | None:
-        """(next agent, its probability, whether that transition was observed, predictability R) or None."""
+    def _predict(self, agent: str, server: WarmupServer) -> Prediction | None:
         if self._predictor is not None:
             try:
                 with self._learner_lock:
-                    prediction = self._predictor.predict(agent)
-                    if prediction is None:
-                        return None
-                    # a smoothed row without any observed successor predicts nothing
-                    observed = _observed(self._learner, agent, prediction.agent)
-                    return (prediction.agent, float(prediction.probability), observed,
-                            float(self._learner.predictability()))
+                    return predict_with_learner(self._predictor, self._learner, agent)
             except Exception as exc:
                 self.errors.record("client-side prediction", exc)
                 return None
-        stats = self._stats()
-        if stats is None:
-            return None
-        row = (stats.get("transitions") or {}).get(agent) or {}
-        if not isinstance(row, Mapping) or not row:
-            return None
-        ranked = sorted(((float(p), str(a)) for a, p in row.items()), reverse=True)
-        if len(ranked) > 1 and ranked[0][0] <= ranked[1][0]:
-            return None  # a tie (e.g. the uniform row of an agent never followed): no information
-        return ranked[0][1], ranked[0][0], True, float(stats.get("predictability") or 0.0)
+        stats = server.stats()
+        return None if stats is None else predict_from_stats(stats, agent)
 
-    def _stats(self) -> Mapping[str, Any] | None:
-        now = self.clock()
-        cached = self._server_stats
-        if cached is not None and now - cached[0] < self.stats_interval:
-            return cached[1]
-        try:
-            response = self._client.get(STATS_PATH)
-            response.raise_for_status()
-            stats = response.json()
-            if not isinstance(stats, Mapping):
-                raise ValueError("stats are not a JSON object")
-        except Exception as exc:
-            self.errors.record(f"GET {STATS_PATH}", exc)
-            self._server_stats = (now, None)  # do not ask again before stats_interval
-            return None
-        self._server_stats = (now, stats)
-        return stats
-
-    def _ensure_block_size(self) -> None:
+    def _ensure_block_size(self, server: WarmupServer) -> None:
         if self._block_size_known:
             return
-        stats = self._stats()
+        stats = server.stats()
         if stats is None:
             return  # unknown for now (the default applies); asked again after stats_interval
         size = stats.get("block_size")
@@ -496,24 +339,11 @@ class WarmupCoordinator:
 
     # -- anchors -----------------------------------------------------------------------
 
-    def _tokenize(self, payload: Mapping[str, Any]) -> list[int]:
-        body = dict(payload)
-        if self.model is not None:
-            body["model"] = self.model
-        response = self._client.post("/tokenize", json=body)
-        if response.status_code in (404, 405):
-            raise _NoTokenizer(f"HTTP {response.status_code}")
-        response.raise_for_status()
-        tokens = response.json().get("tokens")
-        if not isinstance(tokens, list):
-            raise ValueError("/tokenize answered without tokens")
-        return tokens
-
-    def _anchor(self, agent: str) -> Anchor | None:
+    def _anchor(self, agent: str, server: WarmupServer) -> Anchor | None:
         if not self._chat_mode:
             try:
-                return self.anchors.resolve(agent, self._tokenize)
-            except _NoTokenizer as exc:
+                return self.anchors.resolve(agent, server.tokenize)
+            except NoTokenizer as exc:
                 note = "the server has no /tokenize: warm-ups replay messages[0] + tools"
                 self.errors.record("POST /tokenize", exc, note)
                 self._chat_mode = True
@@ -522,47 +352,13 @@ class WarmupCoordinator:
                 return None
         return self.anchors.resolve(agent, None)
 
-    # -- server load -------------------------------------------------------------------
-
-    def _server_view(self) -> ServerView:
-        """What ``/metrics`` says, read at most every ``metrics_interval`` s (empty when unreadable)."""
-        now = self.clock()
-        cached = self._view
-        if cached is not None and now - cached[0] < self.metrics_interval:
-            return cached[1]
-        view = ServerView()
-        try:
-            response = self._client.get("/metrics")
-            response.raise_for_status()
-            view = parse_server_view(response.text)
-            if view.waiting is None:
-                self.errors.record("GET /metrics", message="no vllm:num_requests_* gauges: the busy gate is off")
-        except Exception as exc:
-            self.errors.record("GET /metrics", exc)
-        self._view = (now, view)
-        return view
-
     # -- sending -----------------------------------------------------------------------
 
-    def _send(self, agent: str, anchor: Anchor, job: _Job) -> None:
-        model = self.model or anchor.model
-        # through a router, the warm-up must take the path the predicted call will take
-        headers = {**AgentTag(agent, warmup=True).to_headers(), **routing_header(agent, job.session)}
-        if anchor.tokens:
-            path = "/v1/completions"
-            body: dict[str, Any] = {"model": model, "prompt": list(anchor.tokens), "max_tokens": 1, "temperature": 0}
-        else:
-            path = "/v1/chat/completions"
-            body = {**(anchor.chat or {}), "model": model, "max_tokens": 1, "temperature": 0}
-        body.update(anchor.extra)
-        if model is None:
-            body.pop("model")
+    def _send(self, agent: str, anchor: Anchor, job: _Job, server: WarmupServer) -> None:
+        path, body, headers = warmup_request(agent, anchor, self.config.model, job.session)
         started = self.clock()
         try:
-            response = self._client.post(path, json=body, headers=headers)
-            if response.status_code >= 400:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-            prompt_tokens, cached = usage_of(response.json())
+            prompt_tokens, cached = server.post(path, body, headers)
         except Exception as exc:
             with self._lock:
                 self.counts["failed"] += 1
@@ -577,18 +373,10 @@ class WarmupCoordinator:
             # vLLM recomputes the last block of a fully cached prompt: it reports length - block_size
             if cached and length and cached >= length - anchor.block_size:
                 self.counts["already_warm"] += 1
-            if self._view is not None and agent in self._view[1].anchors:
-                # until the next /metrics read, the anchor just warmed counts as resident
-                learned = self._view[1].anchors[agent][1]
-                self._view[1].anchors[agent] = (learned, learned)
-            if length:
-                self._pending[agent] = _Pending(length, done)
+            server.mark_resident(agent)
             if job.session is not None and not job.manual:
                 self._predicted[job.session] = agent
-                self._predicted.move_to_end(job.session)
-                if len(self._predicted) > _MAX_SESSIONS:
-                    self._predicted.popitem(last=False)
-            self.recent.append({
+            self._ledger.sent(agent, length, done, {
                 "agent": agent,
                 "after": None if job.manual else job.agent,
                 "session": job.session,
@@ -601,16 +389,10 @@ class WarmupCoordinator:
 
     # -- reporting ---------------------------------------------------------------------
 
-    def _expire_pending(self) -> None:
-        now = self.clock()
-        for agent in [a for a, p in self._pending.items() if now - p.at > self.useful_window]:
-            del self._pending[agent]
-            self.counts["unused"] += 1
-
     def stats(self) -> dict[str, Any]:
         """Counters: sent, skipped by reason, failed, dropped, useful/not_useful/unmeasured/unused, anchors, lint."""
         with self._lock:
-            self._expire_pending()
+            self._ledger.expire()
             counts = dict(self.counts)
             out = {
                 "sent": counts.get("sent", 0),
@@ -624,51 +406,13 @@ class WarmupCoordinator:
                 "unused": counts.get("unused", 0),
                 "already_warm": counts.get("already_warm", 0),
                 "predictions": {"right": counts.get("predicted_right", 0), "wrong": counts.get("predicted_wrong", 0)},
-                "pending": len(self._pending),
+                "pending": len(self._ledger.pending),
                 "queued": len(self._queue),
                 "mode": "chat" if self._chat_mode else "tokens",
-                "recent": [dict(r) for r in self.recent],
+                "recent": [dict(r) for r in self._ledger.recent],
             }
         anchors = self.anchors.stats()
         out["anchors"] = anchors["agents"]
         out["unstable_prefixes"] = self.anchors.divergences()
         out["errors"] = {**anchors["errors"], **dict(self.errors.by_kind)}
         return out
-
-
-def _blocks_to_warm(anchor: Anchor | None, view: ServerView, agent: str) -> int:
-    """Blocks a warm-up of ``anchor`` prefills: its token length, or for a chat replay (length known
-    only from the answer) the server's learned anchor length, at least one block."""
-    if anchor is None:
-        return 0
-    if anchor.tokens:
-        return anchor.blocks
-    return max(1, view.anchors.get(agent, (0, 0))[1])
-
-
-class _NoTokenizer(RuntimeError):
-    """The server has no ``POST /tokenize``."""
-
-
-def _observed(learner: Any, agent: str, target: str) -> bool:
-    """Whether ``learner`` has actually seen ``agent -> target`` (True if it cannot tell)."""
-    counts = getattr(learner, "counts", None)
-    if counts is None:
-        return True
-    agents = list(learner.agents)
-    if agent not in agents or target not in agents:
-        return False
-    return bool(counts()[agents.index(agent), agents.index(target)] > 0)
-
-
-def _predictor_of(learner: Any) -> tuple[Any, Any]:
-    """(predictor, learner) from a TransitionLearner, a Predictor, or None."""
-    if learner is None:
-        return None, None
-    if hasattr(learner, "predict") and hasattr(learner, "learner"):
-        return learner, learner.learner
-    if hasattr(learner, "observe"):
-        from agentkv.graph import Predictor
-
-        return Predictor(learner), learner
-    raise TypeError(f"learner must be a TransitionLearner or a Predictor, not {type(learner).__name__}")

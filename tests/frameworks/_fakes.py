@@ -24,6 +24,11 @@ TAG_HEADERS = ("x-agentkv-agent", "x-agentkv-session", "x-agentkv-parent", "x-ag
 BASE_URL = "http://127.0.0.1:9/v1"  # never contacted: the mock transport answers
 
 
+def cfg(thread: str) -> dict[str, Any]:
+    """A LangGraph run config for ``thread``."""
+    return {"configurable": {"thread_id": thread}}
+
+
 def text(content: str) -> dict[str, Any]:
     return {"role": "assistant", "content": content}
 

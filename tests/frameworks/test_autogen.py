@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,7 @@ from autogen_agentchat.conditions import MaxMessageTermination
 from autogen_agentchat.teams import RoundRobinGroupChat, SelectorGroupChat
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-from agentkv.frameworks import Dispatch, current_tag, on_dispatch, on_dispatch_end
+from agentkv.frameworks import Dispatch, current_tag, on_dispatch_end
 from agentkv.frameworks.autogen import TaggedModelClient, instrument, instrumentation, team_facts
 from agentkv.graph import TransitionLearner
 from agentkv.protocol import validate_events
@@ -25,19 +24,6 @@ from agentkv.protocol import validate_events
 from ._fakes import BASE_URL, EventsServer, FakeOpenAI, closed_port_url, tool_call
 
 MODEL = "gpt-4o-mini-2024-07-18"  # a model autogen-ext knows (model_info), echoed back by the fake
-
-
-@pytest.fixture
-def server() -> FakeOpenAI:
-    return FakeOpenAI()
-
-
-@pytest.fixture
-def dispatches() -> Iterator[list[Dispatch]]:
-    seen: list[Dispatch] = []
-    unsubscribe = on_dispatch(seen.append)
-    yield seen
-    unsubscribe()
 
 
 def client(server: FakeOpenAI) -> OpenAIChatCompletionClient:

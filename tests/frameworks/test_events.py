@@ -19,12 +19,8 @@ from agentkv.frameworks._events import CLOSE_TIMEOUT, EventSink, events_endpoint
 from agentkv.frameworks.langgraph import InstrumentedGraph, instrument
 from agentkv.protocol import EVENTS_PATH, validate_events
 
-from ._fakes import EventsServer, FakeOpenAI, SilentServer, closed_port_url
+from ._fakes import EventsServer, FakeOpenAI, SilentServer, cfg, closed_port_url
 from .test_langgraph import FAN_OUT_EXPECTED, fan_out_app
-
-
-def cfg(thread: str) -> dict[str, Any]:
-    return {"configurable": {"thread_id": thread}}
 
 
 def thread_id() -> str:

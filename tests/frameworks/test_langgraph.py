@@ -6,7 +6,6 @@ import asyncio
 import operator
 import uuid
 import warnings
-from collections.abc import Iterator
 from typing import Annotated, Any, Literal, TypedDict
 
 import pytest
@@ -20,34 +19,12 @@ from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Command, Send, interrupt
 
 import agentkv
-from agentkv.frameworks import Dispatch, current_tag, on_dispatch, on_dispatch_end, stats
+from agentkv.frameworks import Dispatch, current_tag, on_dispatch_end, stats
 from agentkv.frameworks.langgraph import InstrumentedGraph, graph_facts, instrument
 from agentkv.graph import GraphFacts, Predictor, TransitionLearner
 from agentkv.protocol import validate_events
 
-from ._fakes import FakeOpenAI, tool_call
-
-
-@pytest.fixture
-def server() -> FakeOpenAI:
-    return FakeOpenAI()
-
-
-@pytest.fixture
-def thread() -> str:
-    return f"t-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def dispatches() -> Iterator[list[Dispatch]]:
-    seen: list[Dispatch] = []
-    unsubscribe = on_dispatch(seen.append)
-    yield seen
-    unsubscribe()
-
-
-def cfg(thread: str) -> dict[str, Any]:
-    return {"configurable": {"thread_id": thread}}
+from ._fakes import FakeOpenAI, cfg, tool_call
 
 
 class Notes(TypedDict):

@@ -3,7 +3,6 @@ composed with ``|``, as a subgraph node of a parent graph, and re-configured wit
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
@@ -18,24 +17,10 @@ from langgraph.graph.state import CompiledStateGraph
 
 from agentkv.frameworks.langgraph import InstrumentedGraph, instrument
 
-from ._fakes import FakeOpenAI
+from ._fakes import FakeOpenAI, cfg
 from .test_langgraph import FAN_OUT_EXPECTED, Notes, fan_out_app
 
 SIX_NOTES = sorted(["plan", "left", "right", "worker", "worker", "join"])
-
-
-@pytest.fixture
-def server() -> FakeOpenAI:
-    return FakeOpenAI()
-
-
-@pytest.fixture
-def thread() -> str:
-    return f"t-{uuid.uuid4().hex[:8]}"
-
-
-def cfg(thread: str) -> dict[str, Any]:
-    return {"configurable": {"thread_id": thread}}
 
 
 def _tags(server: FakeOpenAI, thread: str) -> dict[str, tuple[str | None, str | None, int | None]]:

@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
-import uuid
-from collections.abc import Iterator
 
 import pytest
 
 import agentkv
+import agentkv.client
 from agentkv.frameworks import (
     Dispatch,
     TaggedRequest,
-    _context,
     current_tag,
     install,
     on_dispatch,
@@ -27,33 +25,13 @@ from agentkv.frameworks import (
 )
 from agentkv.protocol import AgentTag, validate_id
 
-from ._fakes import FakeOpenAI
-
-
-@pytest.fixture
-def server() -> FakeOpenAI:
-    return FakeOpenAI()
-
-
-@pytest.fixture
-def session() -> str:
-    return f"s-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def dispatches() -> Iterator[list[Dispatch]]:
-    seen: list[Dispatch] = []
-    unsubscribe = on_dispatch(seen.append)
-    yield seen
-    unsubscribe()
-
 
 def _ask(client, text: str = "hi", **kwargs):
     return client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], **kwargs)
 
 
 def test_top_level_exports_are_lazy_and_work():
-    assert agentkv.agent is _context.agent
+    assert agentkv.agent is agentkv.client.agent
     if importlib.util.find_spec("langgraph") is not None:
         assert agentkv.instrument.__module__ == "agentkv.frameworks.langgraph"
     with pytest.raises(AttributeError):
@@ -70,6 +48,10 @@ def test_install_is_idempotent_and_wraps_both_clients():
     assert getattr(async_hook, "__agentkv_wrapped__", None) is not None
     assert getattr(sync_hook.__agentkv_wrapped__, "__agentkv_wrapped__", None) is None  # wrapped once
     assert asyncio.iscoroutinefunction(async_hook)
+    for cls in (_base_client.SyncAPIClient, _base_client.AsyncAPIClient):  # the same patch reports responses
+        response_hook = cls._process_response
+        assert getattr(response_hook.__agentkv_wrapped__, "__agentkv_wrapped__", None) is None
+    assert asyncio.iscoroutinefunction(_base_client.AsyncAPIClient._process_response)
 
 
 def test_untagged_calls_carry_no_agentkv_headers(server):
@@ -205,7 +187,7 @@ def test_failures_never_break_the_call(server, session, monkeypatch, caplog):
 
     unsubscribe_d = on_dispatch(boom)
     unsubscribe_r = on_request(boom)
-    monkeypatch.setattr(_context.ERRORS, "by_kind", type(_context.ERRORS.by_kind)())
+    monkeypatch.setattr(agentkv.client.ERRORS, "by_kind", type(agentkv.client.ERRORS.by_kind)())
     try:
         with caplog.at_level(logging.WARNING, logger="agentkv.frameworks"):
             client = server.openai()

@@ -1,0 +1,59 @@
+"""A dict with a size cap that forgets its least recently seen keys first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, MutableMapping
+from typing import TypeVar
+
+__all__ = ["BoundedDict"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedDict(MutableMapping[K, V]):
+    """A mapping of at most ``cap`` keys, evicting the least recently seen key first.
+
+    Invariant: ``len(self) <= cap`` after every call. A key is *seen* when it is set
+    (``d[k] = v``, new or not) or :meth:`touch`-ed; reading (``d[k]``, ``get``, ``in``) does not
+    count, so lookups never change which key goes next. Iteration runs from the least to the most
+    recently seen key. Not thread-safe: callers that share one hold their own lock.
+    """
+
+    __slots__ = ("_cap", "_data")
+
+    def __init__(self, cap: int) -> None:
+        if cap < 0:
+            raise ValueError(f"cap must be >= 0, not {cap}")
+        self._cap = cap
+        self._data: OrderedDict[K, V] = OrderedDict()
+
+    @property
+    def cap(self) -> int:
+        return self._cap
+
+    def __getitem__(self, key: K) -> V:
+        return self._data[key]
+
+    def __setitem__(self, key: K, value: V) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self._cap:
+            self._data.popitem(last=False)
+
+    def __delitem__(self, key: K) -> None:
+        del self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def touch(self, key: K) -> None:
+        """Mark ``key`` as the most recently seen (KeyError if absent)."""
+        self._data.move_to_end(key)
+
+    def __repr__(self) -> str:
+        return f"BoundedDict(cap={self._cap}, {dict(self._data)!r})"

@@ -1,0 +1,186 @@
+"""What the warm-up worker reads from the vLLM server: learned stats, load and anchor residency, tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentkv.client import ErrorCounter, routing_header, usage_of
+from agentkv.protocol import STATS_PATH, AgentTag
+
+from ._anchors import Anchor
+
+__all__ = ["NoTokenizer", "ServerView", "WarmupServer", "blocks_to_warm", "parse_server_view", "warmup_request"]
+
+
+@dataclass(slots=True)
+class ServerView:
+    """What one ``GET /metrics`` tells about the engine (None: the server did not say).
+
+    ``anchors``: agent -> (leading anchor blocks resident, learned anchor length in blocks).
+    """
+
+    running: float | None = None
+    waiting: float | None = None
+    free_blocks: int | None = None
+    anchors: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def resident(self, agent: str) -> bool | None:
+        resident, length = self.anchors.get(agent, (0, 0))
+        return None if length <= 0 else resident >= length
+
+
+def parse_server_view(text: str) -> ServerView:
+    """The engine's queue (summed over engines), free blocks and anchor residency from Prometheus text."""
+    view = ServerView()
+    resident: dict[str, int] = {}
+    length: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, value = sample.name, sample.value
+            if name == "vllm:num_requests_running":
+                view.running = (view.running or 0.0) + value
+            elif name == "vllm:num_requests_waiting":
+                view.waiting = (view.waiting or 0.0) + value
+            elif name == "agentkv_kv_free_blocks":
+                view.free_blocks = int(value)
+            elif name in ("agentkv_anchor_resident_blocks", "agentkv_anchor_length_blocks"):
+                agent = sample.labels.get("agent")
+                if agent is not None:
+                    table = resident if name == "agentkv_anchor_resident_blocks" else length
+                    table[agent] = int(value)
+    view.anchors = {a: (resident.get(a, 0), n) for a, n in length.items()}
+    return view
+
+
+def blocks_to_warm(anchor: Anchor | None, view: ServerView, agent: str) -> int:
+    """Blocks a warm-up of ``anchor`` prefills: its token length, or for a chat replay (length known
+    only from the answer) the server's learned anchor length, at least one block."""
+    if anchor is None:
+        return 0
+    if anchor.tokens:
+        return anchor.blocks
+    return max(1, view.anchors.get(agent, (0, 0))[1])
+
+
+def warmup_request(
+    agent: str, anchor: Anchor, model: str | None, session: str | None
+) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """(path, JSON body, headers) of the ``max_tokens=1`` request that re-prefills ``anchor``.
+
+    Exact token ids as ``/v1/completions`` ``prompt``; without them (no ``/tokenize``) a chat replay
+    of ``messages[0]`` + tools. ``model`` (else the anchor's) is left out when unknown.
+    """
+    model = model or anchor.model
+    # through a router, the warm-up must take the path the predicted call will take
+    headers = {**AgentTag(agent, warmup=True).to_headers(), **routing_header(agent, session)}
+    if anchor.tokens:
+        path = "/v1/completions"
+        body: dict[str, Any] = {"model": model, "prompt": list(anchor.tokens), "max_tokens": 1, "temperature": 0}
+    else:
+        path = "/v1/chat/completions"
+        body = {**(anchor.chat or {}), "model": model, "max_tokens": 1, "temperature": 0}
+    body.update(anchor.extra)
+    if model is None:
+        body.pop("model")
+    return path, body, headers
+
+
+class NoTokenizer(RuntimeError):
+    """The server has no ``POST /tokenize``."""
+
+
+class WarmupServer:
+    """The warm-up worker's reads of one server, through its httpx client.
+
+    Invariant: ``GET /agentkv/v1/stats`` is asked at most every ``stats_interval`` seconds and
+    ``GET /metrics`` at most every ``metrics_interval`` seconds, failures included (a failed read is
+    cached as unknown). Errors are counted in ``errors``, never raised. Used by one thread only.
+    """
+
+    def __init__(
+        self,
+        client: httpx.Client,
+        errors: ErrorCounter,
+        clock: Callable[[], float],
+        *,
+        stats_interval: float,
+        metrics_interval: float,
+        model: str | None,
+    ) -> None:
+        self.client = client
+        self.errors = errors
+        self.clock = clock
+        self.stats_interval = stats_interval
+        self.metrics_interval = metrics_interval
+        self.model = model
+        self._view: tuple[float, ServerView] | None = None  # (read at, what /metrics said)
+        self._stats: tuple[float, Mapping[str, Any] | None] | None = None
+
+    def stats(self) -> Mapping[str, Any] | None:
+        """``GET /agentkv/v1/stats`` (None when unreadable)."""
+        now = self.clock()
+        cached = self._stats
+        if cached is not None and now - cached[0] < self.stats_interval:
+            return cached[1]
+        try:
+            response = self.client.get(STATS_PATH)
+            response.raise_for_status()
+            stats = response.json()
+            if not isinstance(stats, Mapping):
+                raise ValueError("stats are not a JSON object")
+        except Exception as exc:
+            self.errors.record(f"GET {STATS_PATH}", exc)
+            self._stats = (now, None)  # do not ask again before stats_interval
+            return None
+        self._stats = (now, stats)
+        return stats
+
+    def view(self) -> ServerView:
+        """What ``/metrics`` says (empty when unreadable)."""
+        now = self.clock()
+        cached = self._view
+        if cached is not None and now - cached[0] < self.metrics_interval:
+            return cached[1]
+        view = ServerView()
+        try:
+            response = self.client.get("/metrics")
+            response.raise_for_status()
+            view = parse_server_view(response.text)
+            if view.waiting is None:
+                self.errors.record("GET /metrics", message="no vllm:num_requests_* gauges: the busy gate is off")
+        except Exception as exc:
+            self.errors.record("GET /metrics", exc)
+        self._view = (now, view)
+        return view
+
+    def mark_resident(self, agent: str) -> None:
+        """Until the next ``/metrics`` read, count ``agent``'s learned anchor as resident (just warmed)."""
+        if self._view is not None and agent in self._view[1].anchors:
+            learned = self._view[1].anchors[agent][1]
+            self._view[1].anchors[agent] = (learned, learned)
+
+    def post(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[int | None, int | None]:
+        """Send a warm-up; its ``(prompt_tokens, cached_tokens)``. Raises on any failure (the caller counts it)."""
+        response = self.client.post(path, json=body, headers=headers)
+        if response.status_code >= 400:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        return usage_of(response.json())
+
+    def tokenize(self, payload: Mapping[str, Any]) -> list[int]:
+        """``POST /tokenize``; :class:`NoTokenizer` when the server has no such endpoint."""
+        body = dict(payload)
+        if self.model is not None:
+            body["model"] = self.model
+        response = self.client.post("/tokenize", json=body)
+        if response.status_code in (404, 405):
+            raise NoTokenizer(f"HTTP {response.status_code}")
+        response.raise_for_status()
+        tokens = response.json().get("tokens")
+        if not isinstance(tokens, list):
+            raise ValueError("/tokenize answered without tokens")
+        return tokens
