@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ._decision import WarmupPolicy
@@ -20,7 +21,8 @@ class WarmupConfig:
     most one ``GET /metrics`` / ``GET /agentkv/v1/stats`` per that many seconds. ``useful_window``:
     seconds after which a warm-up whose agent was not called counts as ``unused``. ``queue_size``:
     jobs kept (the oldest dropped when full). ``timeout``: httpx timeout of every request.
-    ``block_size``: the server's KV block size (default: from its stats, else 32).
+    ``block_size``: the server's KV block size (default: from its stats, else 32). ``api_key``:
+    sent as vLLM expects it (default ``VLLM_API_KEY``; none when neither is set).
     """
 
     model: str | None = None
@@ -37,10 +39,15 @@ class WarmupConfig:
     queue_size: int = 8
     timeout: float = 10.0
     block_size: int | None = None
+    api_key: str | None = None
 
     def policy(self) -> WarmupPolicy:
         return WarmupPolicy(r_min=self.r_min, min_probability=self.min_probability, max_waiting=self.max_waiting,
                             max_load=self.max_load, min_free_blocks=self.min_free_blocks)
+
+    def headers(self) -> dict[str, str]:
+        key = os.environ.get("VLLM_API_KEY") if self.api_key is None else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     @property
     def bucket_capacity(self) -> float:

@@ -238,7 +238,8 @@ class WarmupCoordinator:
     def _run(self) -> None:
         try:
             timeout = httpx.Timeout(self.config.timeout, connect=min(2.0, self.config.timeout))
-            client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False, transport=self._transport)
+            client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False, transport=self._transport,
+                                  headers=self.config.headers())
             server = WarmupServer(client, self.errors, self.clock, stats_interval=self.config.stats_interval,
                                   metrics_interval=self.config.metrics_interval, model=self.config.model)
         except Exception as exc:

@@ -135,6 +135,18 @@ def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Cloc
     assert stats["anchors"][coder]["stable"] is True
 
 
+def test_every_request_of_the_coordinator_carries_the_api_key(
+        fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    with make(fake, clock, api_key="secret") as coord:
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        fake.evict_all()
+        session(client, coord, clock, [planner, coder], f"b-{run_id}")
+    assert len(fake.warmups()) == 1
+    mine = [c for c in fake.calls if c.headers.get("x-agentkv-warmup") == "1" or c.path.startswith("/agentkv")]
+    assert mine and all(c.headers.get("authorization") == "Bearer secret" for c in mine)
+
+
 def test_warms_in_the_tool_step_once_the_model_answered(
     fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str
 ) -> None:
