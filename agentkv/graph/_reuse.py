@@ -256,7 +256,6 @@ def score_reuse(
     idle = np.array([max(k[2], 0.0) for k in known])
     gap_rows = np.array([gaps.row(k[3]) for k in known], dtype=np.intp)
     if len(known):
-        still, _ = gaps.at(gap_rows, idle)
         tool_left, tool_time, handoff_left, handoff_time = gaps.split_at(gap_rows, idle)
         row_sums = matrix[rows].sum(axis=1)
         ends_here = np.array([k[4] for k in known])  # learned from session lengths
@@ -284,6 +283,8 @@ def score_reuse(
         session_rate[np.arange(len(known)), rows] += in_tool / tool_soon
         if interposed is not None and len(interposed) == n:
             session_rate += (in_handoff / handoff_soon + in_tool / after_tool)[:, None] * interposed[None, :]
+        # P(a gap this long | the request's kind): a told answer waits only for a hand-off
+        still = tool * tool_left + (1.0 - tool) * handoff_left
         dead = tuple(k[0] for k, s in zip(known, still, strict=True) if s < config.dead_tail) \
             if gap_count >= config.min_gaps else ()
     else:
