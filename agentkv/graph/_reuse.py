@@ -219,7 +219,7 @@ def score_reuse(
     chain: ChainModel,
     gaps: GapTable,
     sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, float]
-                       | tuple[str, str, float, float, bool | None]],
+                       | tuple[str, str, float, float, float | None]],
     *,
     now: float,
     session_start_rate: float,
@@ -233,8 +233,8 @@ def score_reuse(
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
     ``sessions``: (session, current agent, last arrival[, P(the session ends after its current
-    dispatch), from the lengths of ended sessions[, its last answer was a tool call, None when
-    not told]]) of the live sessions;
+    dispatch), from the lengths of ended sessions[, P(its dispatch goes on) given whether its
+    last answer called a tool, None when not told]]) of the live sessions;
     ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of a is
     followed by another request of the same dispatch); ``interposed[a]``: calls of a made
     between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
@@ -264,8 +264,8 @@ def score_reuse(
         # next one, and a session ends only between dispatches
         going_on = np.array([continuation.get(k[3], 0.0) for k in known])
         tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
-        told = [k[5] for k in known]  # the last answer was a tool call: the server read it
-        tool = np.array([t if told_tool is None else float(told_tool) for t, told_tool in zip(tool, told, strict=True)])
+        told = [k[5] for k in known]  # given what the server read off the last answer
+        tool = np.array([t if going is None else going for t, going in zip(tool, told, strict=True)])
         # which of tool call, next dispatch and end the session is in, given its idle time
         in_tool = tool * tool_left
         in_handoff = (1.0 - tool) * stays * handoff_left

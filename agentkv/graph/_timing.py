@@ -16,6 +16,7 @@ _EDGES = np.geomspace(0.02, 7200.0, 49)
 _CENTERS = np.sqrt(_EDGES[:-1] * _EDGES[1:])
 _BINS = len(_CENTERS)
 _ALL, _TOOL, _HANDOFF = 0, 1, 2  # rows of a gap histogram
+_TOLD_PRIOR = 2.0  # answers of evidence the prior of ``continuation_after`` counts for
 _MAX_LENGTH = 64  # session lengths (dispatches) are counted up to this; longer ones share the last bin
 _LENGTH_DECAY = 0.995  # per ended session
 _MIN_ENDED = 10
@@ -132,6 +133,8 @@ class SessionTiming:
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._continued: dict[str, int] = {}  # per agent: requests followed by one of the same dispatch
         self._handed_off: dict[str, int] = {}  # ... and by another dispatch
+        # per agent, after an answer the server was told of: [no tool call, tool call] x [same dispatch, next]
+        self._after_told: dict[str, np.ndarray] = {}
         self._gaps = 0
         self._starts = 0
         self._first_start: float | None = None
@@ -152,6 +155,11 @@ class SessionTiming:
             same_dispatch = step is not None and previous.step == step and previous.agent == agent
             self._add_gap(previous.agent, max(0.0, now - previous.seen), same_dispatch)
             counts = self._continued if same_dispatch else self._handed_off
+            if previous.tool_call is not None:
+                told = self._after_told.get(previous.agent)
+                if told is None:
+                    told = self._after_told[previous.agent] = np.zeros((2, 2))
+                told[int(previous.tool_call), 0 if same_dispatch else 1] += 1.0
             counts[previous.agent] = counts.get(previous.agent, 0) + 1
             dispatches = previous.dispatches + (not same_dispatch)
         self._sessions[session] = _Session(agent, now, step, dispatches)
@@ -203,6 +211,7 @@ class SessionTiming:
                 self._weight.pop(stale, None)
                 self._continued.pop(stale, None)
                 self._handed_off.pop(stale, None)
+                self._after_told.pop(stale, None)
             hist = self._hist[agent] = np.zeros((3, _BINS))
             self._weight[agent] = 1.0
         else:
@@ -232,16 +241,32 @@ class SessionTiming:
         """How many agents have a gap distribution of their own (the rows of ``table``)."""
         return len(self._hist)
 
-    def sessions(self) -> list[tuple[str, str, float, float, bool | None]]:
-        """(session, current agent, last arrival, P(it ends here), its last answer was a tool call
-        (None: not told)) of every live session, oldest first."""
+    def sessions(self) -> list[tuple[str, str, float, float, float | None]]:
+        """(session, current agent, last arrival, P(it ends here), P(its dispatch goes on) given
+        what its last answer was (None: not told)) of every live session, oldest first."""
         hazards = [self.end_hazard(n) for n in range(1, _MAX_LENGTH + 1)]
-        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH) - 1], state.tool_call)
+        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH) - 1],
+                 None if state.tool_call is None else self.continuation_after(state.agent, state.tool_call))
                 for s, state in self._sessions.items()]
 
     def last_seen(self, session: str) -> float | None:
         state = self._sessions.get(session)
         return None if state is None else state.seen
+
+    def told(self, session: str) -> bool | None:
+        """Whether the session's last answer was a tool call, as the server was told (None: not told)."""
+        state = self._sessions.get(session)
+        return None if state is None else state.tool_call
+
+    def continuation_after(self, agent: str, tool_call: bool) -> float:
+        """P(the same dispatch sends another request | the answer called a tool, or not), learned
+        per agent from the answers the server was told of. Before any evidence a tool call brings
+        the agent back (a ReAct loop) and an answer ends its dispatch; a hand-off tool (a
+        supervisor's ``transfer_to_x``) is learned as a tool call that does not."""
+        counts = self._after_told.get(agent)
+        row = np.zeros(2) if counts is None else counts[int(tool_call)]
+        prior = 1.0 if tool_call else 0.0
+        return float((row[0] + _TOLD_PRIOR * prior) / (row.sum() + _TOLD_PRIOR))
 
     def continuation(self, agent: str) -> float:
         """P(a request of ``agent`` is followed by another request of the same dispatch)."""

@@ -126,7 +126,7 @@ def test_a_session_told_its_answer_called_a_tool_keeps_the_agents_history_above_
         timing.observe(session, "x", t, step=0)
         if tool_call is not None:
             timing.answered(session, tool_call)
-    assert [entry[4] for entry in timing.sessions()] == [True, False, None]
+    assert [entry[4] for entry in timing.sessions()] == [1.0, 0.0, None]  # the prior: a tool call brings x back
     chain = Predictor(learner).chain()
     table = score_reuse(chain, timing.table(), timing.sessions(), now=t + 0.5, session_start_rate=0.0,
                         continuation={a: timing.continuation(a) for a in "xyz"}, interposed=None,
@@ -135,6 +135,20 @@ def test_a_session_told_its_answer_called_a_tool_keeps_the_agents_history_above_
     assert tool > untold > answer  # back in 1.5 s; a mix; back after three hand-offs
     # after the answer, y is next: that session's y-history is worth more than the tool-caller's
     assert table.score(History("answer", frozenset("y"))) > table.score(History("tool", frozenset("y")))
+
+
+def test_a_hand_off_tool_is_learned_as_a_tool_call_that_does_not_bring_the_agent_back():
+    timing = SessionTiming()
+    for n in range(20):  # the supervisor calls transfer_to_coder (a tool call); the coder runs next
+        session = f"s{n}"
+        timing.observe(session, "supervisor", 10.0 * n, step=0)
+        timing.answered(session, True)
+        timing.observe(session, "coder", 10.0 * n + 1, step=1)
+        timing.answered(session, True)  # the coder's tool call: a ReAct loop
+        timing.observe(session, "coder", 10.0 * n + 3, step=1)
+    assert timing.continuation_after("supervisor", True) == pytest.approx(2 / 22)
+    assert timing.continuation_after("coder", True) == 1.0
+    assert timing.continuation_after("coder", False) == 0.0  # no evidence: the prior
 
 
 def test_an_abandoned_session_goes_first_without_any_end_event():

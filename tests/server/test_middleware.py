@@ -180,7 +180,7 @@ TOOLS = {"tools": [{"type": "function", "function": {"name": "search", "paramete
 
 async def _told(runtime: AgentKVRuntime, session: str) -> bool | None:
     for _ in range(100):
-        told = {entry[0]: entry[4] for entry in runtime.timing.sessions()}.get(session)
+        told = runtime.timing.told(session)
         if told is not None:
             return told
         await asyncio.sleep(0.01)
