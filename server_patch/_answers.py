@@ -2,8 +2,10 @@
 
 An answer that calls a tool brings the same agent back once the tool returns, with the whole
 prompt as its prefix; one that does not hands the session on (or ends it). The engine sees
-only token ids, so the API server's middleware reads ``"finish_reason": "tool_calls"`` in the
-response (a JSON body or server-sent events) and tells the engine's runtime.
+only token ids, so the API server's middleware reads the response (a JSON body or server-sent
+events) and tells the engine's runtime. A tool call shows as ``"finish_reason": "tool_calls"``
+or as a non-empty ``"tool_calls": [{...`` list (vLLM reports a named ``tool_choice`` with
+finish reason ``stop``, and a streamed call cut at ``max_tokens`` with ``length``).
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import re
 
 __all__ = ["AnswerWatch"]
 
-_TOOL_CALLS = re.compile(rb'"finish_reason"\s*:\s*"tool_calls"')
+_TOOL_CALLS = re.compile(rb'"finish_reason"\s*:\s*"tool_calls"|"tool_calls"\s*:\s*\[\s*\{')
 _OVERLAP = 64  # bytes kept from the previous chunk: the pattern may straddle two
 
 
 class AnswerWatch:
     """Scans the body chunks of one response; ``verdict()`` once it is complete.
 
-    Invariant: ``seen`` turns true only on a ``tool_calls`` finish reason of a 200 response.
+    Invariant: ``seen`` turns true only on a tool call in a 200 response.
     Without one the answer counts as "no tool call" only if the request offered tools (a server
     without a tool parser reports tool calls as plain text, so silence means nothing then).
     """

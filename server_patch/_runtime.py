@@ -155,6 +155,7 @@ class AgentKVRuntime:
         self.queries: Counter[str] = Counter()
         self.hits: Counter[str] = Counter()
         self.tagged_requests = 0  # tagged or recognized
+        self.answers: Counter[str] = Counter()  # answers told by the middleware: tool_call / no_tool_call
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._saved_version: tuple[int, int] | None = None
@@ -447,6 +448,7 @@ class AgentKVRuntime:
         except ProtocolError as exc:
             return {"error": str(exc), "status": 400}
         self.timing.answered(session, tool_call)
+        self.answers["tool_call" if tool_call else "no_tool_call"] += 1
         return {"answered": True}
 
     def merge(self, payload: object) -> dict[str, Any]:
@@ -516,6 +518,7 @@ class AgentKVRuntime:
             "agents": self._agent_stats(blocks, table),
             "kv_free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
             "warmups": self.warmups.stats(),
+            "answers": dict(self.answers),  # tagged answers read by the middleware: tool call or not
             "transitions": transitions,
             "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},
             "learner": {
