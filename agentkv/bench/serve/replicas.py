@@ -20,23 +20,15 @@ left; a run turns the cache over many times, and both kinds of replicas see the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-from agentkv.bench.serve import (
-    COLORS,
-    SERVERS,
-    Target,
-    load_pyplot,
-    running,
-    save_figure,
-    server_specs,
-    single_targets,
-)
 from agentkv.bench.serve_args import ServeConfig, build_model, router_command
 
-__all__ = ["plot_setups", "replica_args", "start_targets", "targets_for"]
+from .servers import running, server_specs
+from .targets import SERVERS, Target, single_targets
+
+__all__ = ["replica_args", "start_targets", "targets_for"]
 
 
 def replica_args(config: ServeConfig) -> list[str]:
@@ -92,30 +84,3 @@ def start_targets(config: ServeConfig, *, log: Any = print) -> Iterator[list[Tar
             + ", ".join(f"{kind} {policy} {url}" for kind, by in routers.items() for policy, url in by.items()))
         yield targets_for(config, {n: s.base_url for n, s in singles.items()}, routers,
                           {kind: cluster.replica_urls for kind, cluster in clusters.items()})
-
-
-def plot_setups(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path | None:
-    """Bars per setup (single server, then each router policy/key): hit rate, TTFT mean and p99,
-    throughput; vanilla and agentkv side by side. Pools rates. None without matplotlib."""
-    plt = load_pyplot()
-    if plt is None:
-        return None
-    setups = list(dict.fromkeys(r["setup"] for r in rows))
-    metrics = (("hit_rate", "prefix-cache hit rate (%)", 100.0), ("ttft_mean_ms", "TTFT mean (ms)", 1.0),
-               ("ttft_p99_ms", "TTFT p99 (ms)", 1.0), ("throughput", "throughput (turns/s)", 1.0))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 4.2))
-    servers = [s for s in SERVERS if any(r["server"] == s for r in rows)]
-    width = 0.8 / len(servers)
-    for ax, (key, label, scale) in zip(axes, metrics, strict=True):
-        for index, server in enumerate(servers):
-            offset = (index - (len(servers) - 1) / 2) * width
-            values = []
-            for setup in setups:
-                mine = [r[key] for r in rows if r["setup"] == setup and r["server"] == server]
-                values.append(scale * sum(mine) / len(mine) if mine else 0.0)
-            ax.bar([i + offset for i in range(len(setups))], values, width, color=COLORS[server], label=server)
-        ax.set_xticks(range(len(setups)), setups, rotation=35, ha="right", fontsize=8)
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=8)
-    return save_figure(plt, fig, path, title)
