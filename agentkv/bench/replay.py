@@ -1,18 +1,10 @@
 """Replay a tape through the real vLLM ``KVCacheManager`` on CPU: ``agentkv bench replay``.
 
-A discrete-event simulation of one engine (docs/benchmarks.md, "Replay"):
-
-* request i *arrives* at max(tape t_i, finish of its session's previous request + that
-  request's tool_gap); the scheduler's ``add_request`` hook runs then;
-* requests *start* in tape order (FCFS, head-of-line), each as soon as it has arrived and
-  ``allocate_slots`` succeeds for its prompt and its output (``get_computed_blocks`` ->
-  ``allocate_slots`` -> ``record_prefix_cache_stats``, as the scheduler admits a request);
-  the start order is therefore the same under every policy and the tape is paired;
-* a running request holds its blocks for overhead + computed prompt tokens / prefill_tps +
-  output_tokens * tpot seconds (TimeModel; no contention between running requests), then
-  its output tokens are appended and cached and the request is freed (``free``).
-
-No model runs: vLLM's block pool, prefix hashing, hit lookup and eviction are real.
+A discrete-event simulation of one engine (docs/benchmarks.md, "Replay"): requests arrive when
+their session's previous request and tool gap are done, start in tape order (so every policy
+sees the same start order) as soon as ``allocate_slots`` succeeds, and hold their blocks for the
+``TimeModel``'s duration. No model runs: vLLM's block pool, prefix hashing, hit lookup and
+eviction are real.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """``agentkv bench serve --replicas N --router POLICY[,POLICY]``: the serve benchmark scaled out.
 
-Started once, all on 127.0.0.1: the two single servers of the plain benchmark (the reference,
-``--blocks`` each), N vanilla replicas and N agentkv replicas (``agentkv.cluster.Cluster``, KV
-events on, agentkv replicas merging their learned counts), each replica holding
-``(blocks - 1) / N`` usable blocks so the replicas together hold what one server holds, and one
-``vllm-router`` per policy in front of each set of replicas. Every router starts before any
-traffic, so a ``kv_aware`` router has seen every block stored.
-
-The targets, run in turn with the same sessions (order alternating between repeats): the single
-servers, then per policy and routing key (``X-Session-ID`` carries the session or the agent;
-``round_robin`` ignores it and runs once) the vanilla replicas and the agentkv replicas behind
-their routers. Hit rate sums the replicas' prefix-cache counters (a router has none); session
-events go to every agentkv replica (a router would hand them to one).
-
-Caveat of sharing replicas between policies: each run starts from the cache the previous run
-left; a run turns the cache over many times, and both kinds of replicas see the same sequence.
+Started once, on 127.0.0.1 (docs/benchmarks.md): the two single servers, N vanilla and N agentkv
+replicas (``agentkv.cluster.Cluster``) sharing ``--blocks``, and one ``vllm-router`` per policy
+in front of each kind, all up before any traffic. The targets: the single servers, then each
+policy and routing key for both kinds of replicas.
 """
 
 from __future__ import annotations
@@ -23,7 +12,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from agentkv.bench._defaults import SERVER_ENV
 from agentkv.bench.serve_args import ServeConfig, build_model, router_command
+from agentkv.cluster import Cluster, ClusterConfig
+from agentkv.launcher import ServerProcess
 
 from .servers import running, server_specs
 from .targets import SERVERS, Target, single_targets
@@ -60,19 +52,16 @@ def targets_for(
 @contextlib.contextmanager
 def start_targets(config: ServeConfig, *, log: Any = print) -> Iterator[list[Target]]:
     """Start the single servers, both kinds of replicas and every router; yield the targets; stop all."""
-    from agentkv.cluster import Cluster, ClusterConfig
-    from agentkv.testing.vllm_server import VLLMServer
-
     model_dir = build_model(config)
     config.out.mkdir(parents=True, exist_ok=True)
-    singles = {name: VLLMServer(spec, log_path=config.out / f"{name}-server.log")
+    singles = {name: ServerProcess(spec, log_path=config.out / f"{name}-server.log", base_env=SERVER_ENV)
                for name, spec in server_specs(config, model_dir).items()}
     first, first_args = router_command(config.routers[0])
     clusters = {
         kind: Cluster(ClusterConfig(str(model_dir), replicas=config.replicas, policy=first,
                                     vanilla=kind == "vanilla", vllm_args=replica_args(config),
                                     router_args=list(first_args), name=f"bench-{kind}",
-                                    log_dir=config.out / f"{kind}-replicas"))
+                                    log_dir=config.out / f"{kind}-replicas", env=SERVER_ENV))
         for kind in SERVERS[:2]
     }
     with running([*singles.values(), *clusters.values()]):

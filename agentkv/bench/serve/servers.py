@@ -9,16 +9,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from agentkv.bench._defaults import SERVER_ENV
 from agentkv.bench.serve_args import ServeConfig, build_model
 from agentkv.bench.serve_paired import core_pair, pin_env
+from agentkv.launcher import ServerProcess, ServerSpec
 
 __all__ = ["running", "server_specs", "start_servers"]
 
 
-def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, Any]:
+def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, ServerSpec]:
     """Both single servers, each engine bound to a core of its own."""
-    from agentkv.testing.vllm_server import ServerSpec
-
     common = {"model_dir": model_dir, "block_size": config.block_size, "num_gpu_blocks": config.blocks,
               "max_model_len": config.max_model_len}
     vanilla_core, agentkv_core = core_pair()
@@ -27,15 +27,13 @@ def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterator[dict[str, Any]]:
-    """Build the model, start both servers (in parallel), yield {name: VLLMServer}, stop them."""
-    from agentkv.testing.vllm_server import VLLMServer
-
+def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterator[dict[str, ServerProcess]]:
+    """Build the model, start both servers (in parallel), yield {name: ServerProcess}, stop them."""
     model_dir = build_model(config)
     log_dir = log_dir or config.out
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {
-        name: VLLMServer(spec, log_path=log_dir / f"{name}-server.log")
+        name: ServerProcess(spec, log_path=log_dir / f"{name}-server.log", base_env=SERVER_ENV)
         for name, spec in server_specs(config, model_dir).items()
     }
     with running(list(servers.values())):
