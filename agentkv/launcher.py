@@ -112,7 +112,11 @@ class ServerProcess:
     * A failed start raises :class:`RuntimeError` with the tail of the log and leaves
       nothing running. The log file is kept after stop (see :attr:`log_path`).
     * Not restartable: one instance runs at most one server.
+    * The child's environment: the caller's, :data:`LAUNCH_ENV`, ``base_env`` (default
+      :attr:`default_env`), then the spec's ``env``; later ones win.
     """
+
+    default_env: Mapping[str, str] = {}
 
     def __init__(
         self,
@@ -124,7 +128,7 @@ class ServerProcess:
         base_env: Mapping[str, str] | None = None,
     ) -> None:
         self.spec = spec
-        self.base_env = dict(base_env or {})
+        self.base_env = dict(self.default_env if base_env is None else base_env)
         self._port = port if port is not None else free_port()
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"vllm-server-{self._port}-", suffix=".log")

@@ -12,10 +12,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
-
-from agentkv.launcher import Launchable, ServerProcess, ServerSpec, free_port
+from agentkv.launcher import ServerProcess, ServerSpec, free_port
 
 __all__ = ["TEST_ENV", "ServerSpec", "VLLMServer", "free_port"]
 
@@ -30,16 +27,6 @@ TEST_ENV: dict[str, str] = {
 
 
 class VLLMServer(ServerProcess):
-    """A :class:`ServerProcess` whose child always gets :data:`TEST_ENV` (unless ``base_env`` replaces it)."""
+    """A :class:`ServerProcess` whose child gets :data:`TEST_ENV` unless ``base_env`` replaces it."""
 
-    def __init__(
-        self,
-        spec: Launchable,
-        *,
-        port: int | None = None,
-        log_path: str | Path | None = None,
-        stop_timeout: float = 20.0,
-        base_env: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(spec, port=port, log_path=log_path, stop_timeout=stop_timeout,
-                         base_env=TEST_ENV if base_env is None else base_env)
+    default_env = TEST_ENV

@@ -9,6 +9,9 @@ file format, ``generator`` writes tapes of the workloads in ``workloads.py``.
 """
 
 from .format import (
+    ANCHOR_PREFIX,
+    DEFAULT_OFFSET,
+    DEFAULT_VOCAB,
     FORMAT,
     VERSION,
     Tape,
@@ -23,18 +26,6 @@ from .format import (
 )
 from .generator import WorkloadConfig, generate
 
-__all__ = [
-    "FORMAT",
-    "VERSION",
-    "Tape",
-    "TapeError",
-    "TapeRequest",
-    "TimeModel",
-    "WorkloadConfig",
-    "generate",
-    "measured_predictability",
-    "read_tape",
-    "segment_kind",
-    "segment_tokens",
-    "write_tape",
-]
+__all__ = ["ANCHOR_PREFIX", "DEFAULT_OFFSET", "DEFAULT_VOCAB", "FORMAT", "VERSION", "Tape", "TapeError", "TapeRequest",
+           "TimeModel", "WorkloadConfig", "generate", "measured_predictability", "read_tape", "segment_kind",
+           "segment_tokens", "write_tape"]
