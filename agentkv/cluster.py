@@ -5,7 +5,8 @@ comparison) publishing KV events over ZMQ, so a KV-aware router sees the real ca
 contents whatever the eviction order. agentkv replicas also pull each other's learned
 transition counts (``AGENTKV_PEERS``). ``cluster up`` stays in the foreground and stops
 everything on Ctrl-C or SIGTERM; ``cluster down`` sends that SIGTERM and then makes sure
-every process it recorded is gone.
+every process it recorded is gone. Every process gets the caller's environment (plus
+``ClusterConfig.env``); the cluster adds only the replicas' CPU binding and agentkv settings.
 """
 
 from __future__ import annotations
@@ -18,33 +19,22 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
-from agentkv.testing.vllm_server import VLLMServer, free_port
+from agentkv.launcher import HOST, VLLM_MODULE, Command, ServerProcess, free_port
 
 __all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
 
 POLICIES = ("kv_aware", "consistent_hash", "cache_aware", "round_robin")
-_HOST = "127.0.0.1"
-
-
-@dataclass
-class _Command:
-    """What VLLMServer runs: any command line that serves ``/health`` on ``port``."""
-
-    argv: Callable[[int], list[str]]
-    env: dict[str, str] = field(default_factory=dict)
-
-    def command(self, port: int) -> list[str]:
-        return self.argv(port)
 
 
 @dataclass
 class ClusterConfig:
-    """``vllm_args`` go to every replica; they must not set --host or --port. Every field after
-    ``model`` is keyword-only: their order is not part of the interface."""
+    """``vllm_args`` go to every replica; they must not set --host or --port. ``env`` is added to
+    the caller's environment of every process (replicas and routers). Every field after ``model``
+    is keyword-only: their order is not part of the interface."""
 
     model: str
     _: KW_ONLY
@@ -57,6 +47,7 @@ class ClusterConfig:
     sync_interval: float = 5.0
     name: str = "default"
     log_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -96,22 +87,22 @@ class Cluster:
         self.config = config
         self.log_dir = config.log_dir or Path(tempfile.mkdtemp(prefix=f"agentkv-cluster-{config.name}-"))
         self.replica_ports = [free_port() for _ in range(config.replicas)]
-        self.replica_urls = [f"http://{_HOST}:{port}" for port in self.replica_ports]
+        self.replica_urls = [f"http://{HOST}:{port}" for port in self.replica_ports]
         # vLLM's publisher only binds wildcard endpoints and the router only reads tcp://HOST:PORT,
         # so each replica publishes on tcp://*:port and the router subscribes on loopback.
         self.event_ports = [free_port() for _ in range(config.replicas)]
         self.router_port = config.router_port or free_port()
-        self.processes: list[VLLMServer] = []
+        self.processes: list[ServerProcess] = []
 
     @property
     def url(self) -> str:
-        return f"http://{_HOST}:{self.router_port}"
+        return f"http://{HOST}:{self.router_port}"
 
-    def _replica(self, index: int) -> VLLMServer:
+    def _replica(self, index: int) -> ServerProcess:
         config = self.config
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.event_ports[index]}"}
-        module = "vllm.entrypoints.openai.api_server" if config.vanilla else "agentkv.serve"
-        env = {"HF_HUB_OFFLINE": "1", **_cpu_binding(index, config.replicas)}
+        module = VLLM_MODULE if config.vanilla else "agentkv.serve"
+        env = _cpu_binding(index, config.replicas)
         if not config.vanilla:
             peers = [url for i, url in enumerate(self.replica_urls) if i != index]
             env |= {
@@ -123,29 +114,29 @@ class Cluster:
         def argv(port: int) -> list[str]:
             return [sys.executable, "-m", module, "--model", config.model, *config.vllm_args,
                     "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
-                    "--host", _HOST, "--port", str(port)]
+                    "--host", HOST, "--port", str(port)]
 
-        return VLLMServer(_Command(argv, env), port=self.replica_ports[index],  # type: ignore[arg-type]
-                          log_path=self.log_dir / f"replica-{index}.log")
+        return ServerProcess(Command(argv, env), port=self.replica_ports[index], base_env=config.env,
+                             log_path=self.log_dir / f"replica-{index}.log")
 
-    def _router(self, policy: str, port: int, args: Sequence[str] = ()) -> VLLMServer:
+    def _router(self, policy: str, port: int, args: Sequence[str] = ()) -> ServerProcess:
         config = self.config
         binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
 
         def argv(port: int) -> list[str]:
             # its own Prometheus port: the default (29000) would collide with any other router
-            command = [binary, "--host", _HOST, "--port", str(port), "--policy", policy,
+            command = [binary, "--host", HOST, "--port", str(port), "--policy", policy,
                        "--worker-urls", *self.replica_urls, "--worker-startup-timeout-secs", "600",
-                       "--prometheus-host", _HOST, "--prometheus-port", str(free_port())]
+                       "--prometheus-host", HOST, "--prometheus-port", str(free_port())]
             if policy == "kv_aware":
                 for url, events_port in zip(self.replica_urls, self.event_ports, strict=True):
-                    command += ["--kv-event-source", f"{url}=tcp://{_HOST}:{events_port}"]
+                    command += ["--kv-event-source", f"{url}=tcp://{HOST}:{events_port}"]
                 command += ["--kv-event-model", config.served_model_name,
                             "--kv-event-block-size", str(config.block_size)]
             return command + list(args)
 
-        return VLLMServer(_Command(argv), port=port,  # type: ignore[arg-type]
-                          log_path=self.log_dir / f"router-{policy}-{port}.log")
+        return ServerProcess(Command(argv), port=port, base_env=config.env,
+                             log_path=self.log_dir / f"router-{policy}-{port}.log")
 
     def start(self, timeout: float = 600.0) -> Cluster:
         config = self.config
@@ -168,7 +159,7 @@ class Cluster:
         self.config.check_policy(policy)
         port = free_port()
         self.processes.append(self._router(policy, port, args).start(timeout))
-        return f"http://{_HOST}:{port}"
+        return f"http://{HOST}:{port}"
 
     def stop(self) -> None:
         while self.processes:

@@ -24,9 +24,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from agentkv.bench import SERVER_ENV
 from agentkv.bench.model import build_bench_model
 from agentkv.bench.serve_paired import Block, compare, comparison_lines, core_pair, pin_env, swap_cores
-from agentkv.testing.vllm_server import ServerSpec, VLLMServer
+from agentkv.launcher import ServerProcess, ServerSpec
 
 AGENTS = ["planner", "coder", "reviewer", "writer", "researcher", "supervisor"]
 ANCHOR = "You are the {agent} of a software team. " + "Follow the team's rules, cite files exactly, be brief. " * 50
@@ -92,7 +93,7 @@ def main() -> None:
     specs = {"vanilla": ServerSpec(model_dir=model, num_gpu_blocks=801, env=pin_env(cores[0])),
              "agentkv": ServerSpec(model_dir=model, num_gpu_blocks=801, module="agentkv.serve",
                                    env=pin_env(cores[1]))}
-    servers = {name: VLLMServer(spec, log_path=ROOT / ".build" / "overhead" / f"{name}.log")
+    servers = {name: ServerProcess(spec, log_path=ROOT / ".build" / "overhead" / f"{name}.log", base_env=SERVER_ENV)
                for name, spec in specs.items()}
     spy = None
     try:

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from agentkv.bench import SERVER_ENV
+from agentkv.launcher import ServerProcess, ServerSpec
 from agentkv.testing.tiny_model import build_tiny_model
-from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
 AGENTS = ["planner", "coder", "reviewer", "writer", "researcher", "supervisor"]
 SYSTEM = "You are the {agent}. " + "Follow the team's rules and answer briefly. " * 40
@@ -64,7 +65,8 @@ def main() -> None:
     model = build_tiny_model(Path(__file__).resolve().parents[1] / ".build" / "tiny-model")
     spec = ServerSpec(model_dir=model, num_gpu_blocks=201, env={"VLLM_CPU_OMP_THREADS_BIND": str(args.core)},
                       module="vllm.entrypoints.openai.api_server" if args.vanilla else "agentkv.serve")
-    with VLLMServer(spec) as server, httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+    with (ServerProcess(spec, base_env=SERVER_ENV) as server,
+          httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client):
         for i in range(args.sessions):
             chat(client, AGENTS[i % len(AGENTS)], f"s{i}", f"task {i}")
         if not args.vanilla:

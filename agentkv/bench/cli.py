@@ -99,7 +99,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-dropped", action="store_true",
                         help="do not run the other policies on capacities the preflight dropped")
     parser.add_argument("--ttl", type=float, default=None,
-                        help="ttl policy pin in seconds (default 0.3, seed 001's Continuum setting)")
+                        help="ttl policy pin in seconds (default 0.3, Continuum's setting)")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"directory for replay.json / replay.md / replay.png and generated tapes ({DEFAULT_OUT})")
@@ -109,8 +109,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_replay(args: argparse.Namespace) -> None:
     from .policies import POLICIES
-    from .replay import sweep
     from .report import markdown, plot
+    from .sweep import sweep
     from .tape import generate, write_tape
 
     policies = [p for p in args.policies.split(",") if p]

@@ -106,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_bench_model(args.directory)
     print(f"{model_dir} ({time.monotonic() - t0:.0f} s)")
     if args.measure:
-        from agentkv.testing.vllm_server import ServerSpec, VLLMServer
+        from agentkv.bench._defaults import SERVER_ENV
+        from agentkv.launcher import ServerProcess, ServerSpec
 
         spec = ServerSpec(model_dir=model_dir, served_model_name="bench", num_gpu_blocks=201,
                           env={"VLLM_CPU_OMP_THREADS_BIND": str(args.core)})
-        with VLLMServer(spec) as server:
+        with ServerProcess(spec, base_env=SERVER_ENV) as server:
             print(measure_cost(server.base_url, "bench").describe())
     return 0
 

@@ -6,7 +6,7 @@ policy's own ``group_of`` (which group a freed cached block joins) and ``score``
 value of a group; lowest evicted first, ties by recency). In the spirit of SGLang's
 ``evict_policy.py``: one small interface, a dozen lines per policy.
 
-| name | information (seed 000 §11) |
+| name | what the policy knows |
 |---|---|
 | ``lru`` | L0: vanilla vLLM, no extension at all |
 | ``ttl`` | L0 + Continuum-style pinning: a finished request's blocks are kept for a TTL |
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -32,78 +31,14 @@ from vllm.v1.request import Request
 
 from agentkv.graph import TransitionLearner
 from agentkv.warmup._decision import JobState, TargetState, TokenBucket, WarmupPolicy
-from server_patch._free_queue import ScoredFreeBlockQueue
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
+from .simulator import Policy, ScoredPolicy, Simulator
+
 if TYPE_CHECKING:
-    from .replay import Replay
     from .tape import TapeRequest
 
 __all__ = ["POLICIES", "Policy", "ScoredPolicy", "make_policy"]
-
-
-class Policy:
-    """Hooks the replay engine calls, in scheduler order; the default is vanilla vLLM."""
-
-    name = "lru"
-    tagged = True  # requests carry agentkv tags in extra_args (inert without the runtime)
-
-    def install(self, sim: Replay) -> None:
-        """Called once on a fresh manager, before the first request."""
-
-    def on_arrival(self, sim: Replay, request: Request, record: TapeRequest) -> None:
-        """The engine received a request (the scheduler's ``add_request``)."""
-
-    def before_schedule(self, sim: Replay) -> None:
-        """Start of a scheduling step (the runtime's ``refresh`` point)."""
-
-    def on_start(self, sim: Replay, request: Request, record: TapeRequest) -> None:
-        """The request was admitted: its blocks are allocated and its hit recorded."""
-
-    def before_free(self, sim: Replay, request: Request, record: TapeRequest) -> None:
-        """The request finished and its output blocks are cached; its blocks are freed next."""
-
-    def pin_for(self, sim: Replay, request: Request, record: TapeRequest) -> float:
-        """Seconds to keep a finished request's blocks referenced before freeing them (0: free now)."""
-        return 0.0
-
-    def on_finish(self, sim: Replay, request: Request, record: TapeRequest) -> None:
-        """The request finished; its blocks were just freed."""
-
-    def on_session_end(self, sim: Replay, session: str) -> None:
-        """The session's last request finished (the app knows its session is over)."""
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-
-class ScoredPolicy(Policy, ABC):
-    """A policy that orders eviction with a ScoredFreeBlockQueue: ``group_of`` + ``score``.
-
-    Eviction key of a free cached block = score(group) + decay * t_free (smallest first),
-    so with ``decay = 0`` ties between groups of equal score fall back to LRU order.
-    ``dynamic`` policies have their scores re-read at every scheduling step.
-    """
-
-    decay = 0.0
-    dynamic = True
-
-    @abstractmethod
-    def group_of(self, block: KVCacheBlock) -> Hashable:
-        """The eviction group of a freed block (called once, when it is freed)."""
-
-    @abstractmethod
-    def score(self, group: Hashable) -> float:
-        """Log-space score of a group: smaller is evicted first, -inf first of all."""
-
-    def install(self, sim: Replay) -> None:
-        self.sim = sim
-        self.queue = ScoredFreeBlockQueue.replace(sim.pool, self.group_of, clock=sim.clock, decay=self.decay)
-        self.queue.set_group_scores(self.score)
-
-    def before_schedule(self, sim: Replay) -> None:
-        if self.dynamic:
-            self.queue.set_group_scores(self.score)
 
 
 # -- L0: Continuum-style TTL pinning ----------------------------------------------------
@@ -112,7 +47,7 @@ class ScoredPolicy(Policy, ABC):
 class TTL(Policy):
     """Continuum-style (Li et al., 2025): a finished request keeps its blocks referenced
     for ``ttl`` seconds (a hard pin: nothing can evict them, a request that does not fit
-    waits), then frees them into plain LRU. Default 0.3 s: seed 001's Continuum setting
+    waits), then frees them into plain LRU. Default 0.3 s: Continuum's setting
     (AutoGen's observed inter-turn latency); ``agentkv bench replay --ttl`` sets another.
 
     A *soft* pin through the free queue (pinned groups evicted last) would be exactly LRU:
@@ -124,7 +59,7 @@ class TTL(Policy):
     def __init__(self, ttl: float = 0.3) -> None:
         self.ttl = ttl
 
-    def pin_for(self, sim: Replay, request: Request, record: TapeRequest) -> float:
+    def pin_for(self, sim: Simulator, request: Request, record: TapeRequest) -> float:
         return self.ttl
 
     def stats(self) -> dict[str, Any]:
@@ -148,7 +83,7 @@ class KVFlow(ScoredPolicy):
 
     name = "kvflow"
 
-    def install(self, sim: Replay) -> None:
+    def install(self, sim: Simulator) -> None:
         self.graph = sim.plan.declared_graph()
         self.distance = _all_pairs_hops(self.graph)
         self.entry = set(sim.plan.entry_agents())
@@ -168,19 +103,19 @@ class KVFlow(ScoredPolicy):
             if len(entry[2]) < 2:
                 entry[2].add(record.session)
 
-    def on_arrival(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+    def on_arrival(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
         self.current[record.session] = record.agent
 
-    def on_start(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+    def on_start(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
         self._note(request, record)
 
-    def before_free(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+    def before_free(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
         self._note(request, record)
 
-    def on_session_end(self, sim: Replay, session: str) -> None:
+    def on_session_end(self, sim: Simulator, session: str) -> None:
         self.current.pop(session, None)
 
-    def before_schedule(self, sim: Replay) -> None:
+    def before_schedule(self, sim: Simulator) -> None:
         best: dict[str, int] = {a: 1 + min((self.distance[e].get(a, _FAR) for e in self.entry), default=_FAR)
                                 for a in self.distance}
         for agent in self.current.values():
@@ -245,7 +180,7 @@ class Belady(ScoredPolicy):
     name = "belady"
     dynamic = False
 
-    def install(self, sim: Replay) -> None:
+    def install(self, sim: Simulator) -> None:
         self.uses = sim.plan.uses  # hash -> sorted indices of the requests whose prompt holds it
         self.pending: dict[int, list[tuple[KVCacheBlock, bytes]]] = {}
         super().install(sim)
@@ -267,7 +202,7 @@ class Belady(ScoredPolicy):
     def score(self, use: Hashable) -> float:
         return -use  # type: ignore[operator]
 
-    def before_schedule(self, sim: Replay) -> None:
+    def before_schedule(self, sim: Simulator) -> None:
         stale = [use for use in self.pending if use < sim.next_index]
         for use in sorted(stale):
             for block, block_hash in self.pending.pop(use):
@@ -309,7 +244,7 @@ class AgentKV(Policy):
         self.warmups: Counter[str] = Counter()
         self.confusion: dict[str, Counter[str]] = {}  # untagged: true agent -> recognized agent ("-": none)
 
-    def install(self, sim: Replay) -> None:
+    def install(self, sim: Simulator) -> None:
         self.bucket = TokenBucket(self.max_per_second, self.burst, sim.clock)
         self.runtime = AgentKVRuntime(self.config, clock=sim.clock)
         self.runtime.install(sim.kv)
@@ -319,24 +254,24 @@ class AgentKV(Policy):
                 result = self.runtime.apply_events({"version": 1, "events": [event]})
                 assert result.get("accepted") == 1, result
 
-    def on_arrival(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+    def on_arrival(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
         self.runtime.on_add_request(request)
         if not self.tagged:
             tag = self.runtime.tag_of(request)
             self.confusion.setdefault(record.agent, Counter())["-" if tag is None else tag.agent] += 1
         self.anchors[record.agent] = sim.plan.anchor_segments(record)
 
-    def before_schedule(self, sim: Replay) -> None:
+    def before_schedule(self, sim: Simulator) -> None:
         self.runtime.refresh()
 
-    def on_finish(self, sim: Replay, request: Request, record: TapeRequest) -> None:
+    def on_finish(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
         tool_call = sim.plan.is_tool_call(record)
         if self.tagged and tool_call is not None:  # what the middleware reads off the response
             self.runtime.answered(record.session, tool_call)
         if self.warmup and sim.plan.is_handoff(record):
             self.warmups[self._warm(sim, record.agent)] += 1
 
-    def _warm(self, sim: Replay, agent: str) -> str:
+    def _warm(self, sim: Simulator, agent: str) -> str:
         """Decide with the coordinator's policy right after ``agent``'s turn (never late: the
         session's next request has not arrived yet) and issue the warm-up; the reason."""
         learner = self.runtime.learner
@@ -364,7 +299,7 @@ class AgentKV(Policy):
             return "no_room"
         return "issued"
 
-    def on_session_end(self, sim: Replay, session: str) -> None:
+    def on_session_end(self, sim: Simulator, session: str) -> None:
         if self.facts:
             self.runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": session}]})
 

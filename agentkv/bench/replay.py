@@ -1,232 +1,34 @@
 """Replay a tape through the real vLLM ``KVCacheManager`` on CPU: ``agentkv bench replay``.
 
-A discrete-event simulation of one engine (docs/benchmarks.md, "Replay"):
-
-* request i *arrives* at max(tape t_i, finish of its session's previous request + that
-  request's tool_gap); the scheduler's ``add_request`` hook runs then;
-* requests *start* in tape order (FCFS, head-of-line), each as soon as it has arrived and
-  ``allocate_slots`` succeeds for its prompt and its output (``get_computed_blocks`` ->
-  ``allocate_slots`` -> ``record_prefix_cache_stats``, as the scheduler admits a request);
-  the start order is therefore the same under every policy and the tape is paired;
-* a running request holds its blocks for overhead + computed prompt tokens / prefill_tps +
-  output_tokens * tpot seconds (TimeModel; no contention between running requests), then
-  its output tokens are appended and cached and the request is freed (``free``).
-
-No model runs: vLLM's block pool, prefix hashing, hit lookup and eviction are real.
+A discrete-event simulation of one engine (docs/benchmarks.md, "Replay"): requests arrive when
+their session's previous request and tool gap are done, start in tape order (so every policy
+sees the same start order) as soon as ``allocate_slots`` succeeds, and hold their blocks for the
+``TimeModel``'s duration. No model runs: vLLM's block pool, prefix hashing, hit lookup and
+eviction are real.
 """
 
 from __future__ import annotations
 
 import heapq
-import re
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import BlockHash, get_block_hash, hash_block_tokens
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.core.kv_cache_utils import get_block_hash
 from vllm.v1.request import Request, RequestStatus
 
-from agentkv.protocol import AgentTag, ProtocolError, validate_id
+from agentkv.protocol import AgentTag, ProtocolError
 
-from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
-from .policies import Policy, make_policy
-from .tape import Tape, TapeRequest, TimeModel, segment_kind
-from .topologies import AGENTS, TOPOLOGIES, topology
+from .kv_manager import make_manager
+from .plan import TapePlan
+from .policies import make_policy
+from .simulator import Policy
+from .tape import Tape, TimeModel
 
-__all__ = ["Replay", "ReplayResult", "TapePlan", "make_manager", "replay"]
-
-# The parent of a tape's first block (vLLM's NONE_HASH is random per process unless
-# PYTHONHASHSEED is set; a constant root keeps block hashes identical across processes).
-_ROOT = BlockHash(sha256(("agentkv-tape", 1)))
-_MAX_MODEL_LEN = 1 << 16
-_NOT_WIRE = re.compile(r"[^A-Za-z0-9._:@/-]")  # outside agentkv.protocol's id alphabet
-
-
-def make_manager(num_blocks: int, block_size: int) -> KVCacheManager:
-    """A KVCacheManager for one full-attention group of ``num_blocks`` blocks (block 0 is vLLM's null block)."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
-    return KVCacheManager(config, max_model_len=_MAX_MODEL_LEN, scheduler_block_size=block_size,
-                          hash_block_size=block_size)
-
-
-class TapePlan:
-    """Everything a replay needs from a tape, computed once: token ids, block hashes
-    (vLLM's ``hash_block_tokens`` with sha256), segment kinds and the future-use index."""
-
-    def __init__(self, tape: Tape) -> None:
-        self.tape = tape
-        self.requests: list[TapeRequest] = tape.requests
-        self.block_size = bs = tape.block_size
-        self._segment_cache: dict[str, list[int]] = {}
-        self._hash_memo: dict[tuple[bytes, tuple[int, ...]], BlockHash] = {}
-        self.prompts: list[list[int]] = []
-        self.outputs: list[list[int]] = []
-        self.hashes: dict[str, list[BlockHash]] = {}
-        self.anchor_spans: list[list[tuple[int, int]]] = []
-        self.kind_of_hash: dict[bytes, str] = {}
-        self.uses: dict[bytes, list[int]] = {}
-        for index, request in enumerate(self.requests):
-            prompt = self.tokens_of(request.segments)
-            output = self._segment(request.output_key, request.output_tokens)
-            hashes = self._hash_chain(prompt + output)
-            self.prompts.append(prompt)
-            self.outputs.append(output)
-            self.hashes[request.id] = hashes
-            spans, position = [], 0
-            for key, n in request.segments:
-                if segment_kind(key) == "anchor":
-                    spans.append((position, position + n))
-                position += n
-            self.anchor_spans.append(spans)
-            for b, block_hash in enumerate(hashes):
-                if block_hash not in self.kind_of_hash:
-                    inside = any(lo <= b * bs and (b + 1) * bs <= hi for lo, hi in spans)
-                    self.kind_of_hash[block_hash] = "anchor" if inside else "history"
-            for block_hash in hashes[: len(prompt) // bs]:
-                self.uses.setdefault(block_hash, []).append(index)
-        self.next_in_session: list[int | None] = [None] * len(self.requests)
-        last: dict[str, int] = {}
-        for index, request in enumerate(self.requests):
-            if request.session in last:
-                self.next_in_session[last[request.session]] = index
-            last[request.session] = index
-        self.max_request_blocks = max(-(-(len(p) + len(o)) // bs) for p, o in zip(self.prompts, self.outputs,
-                                                                                     strict=True))
-        self.anchor_blocks = sum(1 for kind in self.kind_of_hash.values() if kind == "anchor")
-
-    # -- tokens and hashes -------------------------------------------------------------
-
-    def _segment(self, key: str, n_tokens: int) -> list[int]:
-        tokens = self._segment_cache.get(key)
-        if tokens is None or len(tokens) < n_tokens:
-            tokens = self._segment_cache[key] = self.tape.tokens(key, n_tokens)
-        return tokens[:n_tokens]
-
-    def tokens_of(self, segments: Sequence[tuple[str, int]]) -> list[int]:
-        out: list[int] = []
-        for key, n in segments:
-            out.extend(self._segment(key, n))
-        return out
-
-    def _hash_chain(self, tokens: list[int]) -> list[BlockHash]:
-        bs, memo = self.block_size, self._hash_memo
-        parent, out = _ROOT, []
-        for start in range(0, len(tokens) - bs + 1, bs):
-            key = (parent, tuple(tokens[start : start + bs]))
-            block_hash = memo.get(key)
-            if block_hash is None:
-                block_hash = memo[key] = hash_block_tokens(sha256, parent, key[1])
-            out.append(block_hash)
-            parent = block_hash
-        return out
-
-    def register(self, request_id: str, tokens: list[int]) -> None:
-        """Precompute the block hashes of an extra request (a warm-up)."""
-        self.hashes[request_id] = self._hash_chain(tokens)
-
-    def hasher(self, request: Request) -> list[BlockHash]:
-        """vLLM block_hasher: the request's new full-block hashes, precomputed."""
-        have = len(request.block_hashes)
-        return self.hashes[request.request_id][have : request.num_tokens // self.block_size]
-
-    # -- workload facts --------------------------------------------------------------------
-
-    def anchor_hit_tokens(self, index: int, hit: int) -> int:
-        return sum(max(0, min(hi, hit) - lo) for lo, hi in self.anchor_spans[index])
-
-    def anchor_segments(self, request: TapeRequest) -> tuple[tuple[str, int], ...]:
-        """The request's leading anchor segments (what a warm-up coordinator records per agent)."""
-        out = []
-        for key, n in request.segments:
-            if segment_kind(key) != "anchor":
-                break
-            out.append((key, n))
-        return tuple(out)
-
-    def is_handoff(self, request: TapeRequest) -> bool:
-        """True if the session continues with another dispatch (a new step) after this request."""
-        index = self._index_of(request)
-        following = self.next_in_session[index]
-        return following is not None and (request.step is None or self.requests[following].step != request.step)
-
-    def is_tool_call(self, request: TapeRequest) -> bool | None:
-        """Whether the request's answer was a tool call (the session's next request continues its
-        dispatch), as the response's finish_reason tells the server; None for a tape without steps."""
-        if request.step is None:
-            return None
-        following = self.next_in_session[self._index_of(request)]
-        return following is not None and self.requests[following].step == request.step \
-            and self.requests[following].agent == request.agent
-
-    def _index_of(self, request: TapeRequest) -> int:
-        if not hasattr(self, "_indices"):
-            self._indices = {r.id: i for i, r in enumerate(self.requests)}
-        return self._indices[request.id]
-
-    @property
-    def topology_name(self) -> str | None:
-        name = self.tape.header.get("workload", {}).get("topology")
-        return name if name in TOPOLOGIES else None
-
-    def agents(self) -> list[str]:
-        return list(dict.fromkeys(r.agent for r in self.requests))
-
-    @property
-    def header_graph(self) -> dict[str, Any] | None:
-        """The tape header's declared graph (``graph``, validated by ``read_tape``), if any."""
-        graph = self.tape.header.get("graph")
-        return graph if isinstance(graph, dict) else None
-
-    def declared_graph(self) -> dict[str, set[str]]:
-        """The graph the app declares: the header's ``graph`` (every possible transition), else
-        the named topology's (its support); for a tape with neither, the complete graph over its agents."""
-        graph = self.header_graph
-        if graph is not None:
-            out: dict[str, set[str]] = {a: set() for a in graph["nodes"]}
-            for a, b in graph.get("edges", []):
-                out[a].add(b)
-            return out
-        name = self.topology_name
-        if name is None:
-            agents = self.agents()
-            return {a: set(agents) for a in agents}
-        matrix = topology(name).matrix
-        return {a: {b for j, b in enumerate(AGENTS) if matrix[i, j] > 1e-12} for i, a in enumerate(AGENTS)}
-
-    def entry_agents(self) -> list[str]:
-        graph = self.header_graph
-        if graph is not None and graph.get("entry"):
-            return list(graph["entry"])
-        return list(dict.fromkeys(r.agent for r in self.requests if r.parent == ""))
-
-    def graph_event(self) -> dict[str, Any] | None:
-        """The ``graph`` event the app would send (ids outside the wire alphabet left out); None without a graph."""
-        if self.header_graph is None and self.topology_name is None:
-            return None
-        graph = {a: {b for b in succ if _fits_wire(b)} for a, succ in self.declared_graph().items() if _fits_wire(a)}
-        edges = sorted([a, b] for a, succ in graph.items() if len(succ) == 1 for b in succ)
-        conditional = sorted([a, b] for a, succ in graph.items() if len(succ) > 1 for b in succ)
-        name = f"tape-{self.tape.name}" if self.topology_name is None else f"topology-{self.topology_name}"
-        return {"type": "graph", "id": _NOT_WIRE.sub("-", name)[:128], "nodes": list(graph),
-                "edges": edges, "conditional_edges": conditional,
-                "entry": [a for a in self.entry_agents() if a in graph]}
-
-
-def _fits_wire(value: str) -> bool:
-    try:
-        validate_id(value, "agent")
-    except ProtocolError:
-        return False
-    return True
+__all__ = ["CapacityError", "Replay", "ReplayResult", "replay"]
 
 
 @dataclass
@@ -500,106 +302,3 @@ def replay(plan: TapePlan, policy: str | Policy, num_blocks: int, **options: Any
     """Replay ``plan`` under one policy (a name or an instance) at one capacity."""
     instance = make_policy(policy, **options) if isinstance(policy, str) else policy
     return Replay(plan, instance, num_blocks).run()
-
-
-# -- the sweep: tapes x capacities x policies, with the pressure preflight ------------------
-
-
-_PLANS: dict[str, TapePlan] = {}
-
-
-def _plan(path: str) -> TapePlan:
-    plan = _PLANS.get(path)
-    if plan is None:
-        from .tape import read_tape
-
-        plan = _PLANS[path] = TapePlan(read_tape(path))
-    return plan
-
-
-def _cell(path: str, policy: str, capacity: int, ttl: float | None) -> dict[str, Any]:
-    result = replay(_plan(path), policy, capacity, ttl=ttl)
-    out = result.to_json()
-    out["tape"] = _plan(path).tape.name
-    return out
-
-
-def candidate_capacities(plan: TapePlan, multipliers: Sequence[float] = DEFAULT_MULTIPLIERS) -> list[int]:
-    """Capacities in blocks: multiples of the tape's largest request (+1 for vLLM's null block), rounded to 10."""
-    return sorted({round(m * plan.max_request_blocks / 10.0) * 10 + 1 for m in multipliers
-                   if m * plan.max_request_blocks >= plan.max_request_blocks})
-
-
-def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, capacities: Sequence[int] | None = None,
-          multipliers: Sequence[float] = DEFAULT_MULTIPLIERS, margin: float = DEFAULT_MARGIN, preflight: bool = True,
-          skip_dropped: bool = False, ttl: float | None = None, jobs: int = 2, progress: bool = True) -> dict[str, Any]:
-    """Run every (tape, capacity, policy) cell; returns the report dict (see report.markdown)."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    from tqdm import tqdm
-
-    tapes = []
-    for path in paths:
-        plan = _plan(path)
-        caps = sorted(set(capacities)) if capacities else candidate_capacities(plan, multipliers)
-        caps = [c for c in caps if c - 1 >= plan.max_request_blocks]
-        tapes.append({"path": path, "name": plan.tape.name, "topology": plan.topology_name,
-                      "target_r": plan.tape.header.get("target_predictability"), "summary": plan.tape.summary(),
-                      "max_request_blocks": plan.max_request_blocks, "anchor_blocks": plan.anchor_blocks,
-                      "candidates": caps, "kept": list(caps)})
-    names = [t["name"] for t in tapes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tape names must differ (header 'name'): {names}")
-    first = [p for p in ("lru", "belady") if p in policies or preflight]
-    rest = [p for p in policies if p not in first]
-    results: list[dict[str, Any]] = []
-    total = sum(len(t["candidates"]) for t in tapes) * (len(first) + len(rest))
-    bar = tqdm(total=total, desc="replay", unit="cell", disable=not progress, file=sys.stderr)
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=_mp_context()) if jobs > 1 else None
-
-    def run(cells: list[tuple[str, str, int]]) -> None:
-        if pool is None:
-            for path, policy, cap in cells:
-                results.append(_cell(path, policy, cap, ttl))
-                bar.update(1)
-            return
-        futures = [pool.submit(_cell, path, policy, cap, ttl) for path, policy, cap in cells]
-        for future in futures:
-            results.append(future.result())
-            bar.update(1)
-
-    try:
-        run([(t["path"], p, c) for t in tapes for c in t["candidates"] for p in first])
-        if preflight:
-            done = _index(results)
-            for t in tapes:
-                t["kept"] = [c for c in t["candidates"]
-                             if 100 * (done[t["name"], c, "belady"] - done[t["name"], c, "lru"]) >= margin]
-        cells = [(t["path"], p, c) for t in tapes
-                 for c in (t["kept"] if skip_dropped else t["candidates"]) for p in rest]
-        bar.total = len(results) + len(cells)
-        bar.refresh()
-        run(cells)
-    finally:
-        if pool is not None:
-            pool.shutdown()
-    bar.close()
-    order = {p: i for i, p in enumerate(policies)}
-    results.sort(key=lambda r: (names.index(r["tape"]), r["capacity"], order.get(r["policy"], len(order))))
-    results = [r for r in results if r["policy"] in order]
-    report = {"policies": list(policies), "margin": margin, "preflight": preflight, "tapes": tapes, "results": results}
-    from .report import targets
-
-    report["targets"] = targets(report)
-    return report
-
-
-def _index(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int, str], float]:
-    return {(r["tape"], r["capacity"], r["policy"]): r["hit_rate"] for r in results}
-
-
-def _mp_context() -> Any:
-    import multiprocessing
-
-    # fork shares the imported vLLM with the workers (spawn would re-import it per worker)
-    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)

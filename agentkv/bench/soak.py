@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ._defaults import SERVER_ENV
 from .soak_cases import CASES, SoakContext, choose_case
 
 __all__ = ["SoakConfig", "add_arguments", "main", "process_rss", "run_soak"]
@@ -240,14 +241,14 @@ def format_report(report: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def _own_server(config: SoakConfig) -> Iterator[tuple[str, int | None]]:
+    from agentkv.launcher import ServerProcess, ServerSpec
     from agentkv.testing.tiny_model import build_tiny_model
-    from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
     model_dir = build_tiny_model(REPO_ROOT / ".build" / "tiny-model")
     spec = ServerSpec(model_dir=model_dir, served_model_name=config.model, num_gpu_blocks=config.blocks,
                       module="agentkv.serve", extra_args=["--api-key", config.api_key] if config.api_key else [])
     config.out.mkdir(parents=True, exist_ok=True)
-    with VLLMServer(spec, log_path=config.out / "agentkv-server.log") as server:
+    with ServerProcess(spec, log_path=config.out / "agentkv-server.log", base_env=SERVER_ENV) as server:
         yield server.base_url, server.pid
 
 

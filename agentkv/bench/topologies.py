@@ -1,4 +1,4 @@
-"""Transition structures of the paper's six-agent supervisor framework (seed 001 §2.2).
+"""Transition structures of the paper's six-agent supervisor framework (docs/design.md).
 
 Each topology is a Markov chain over the same six agents; its predictability R is
 tuned to the paper's figure: Pipeline 1.0, Debate 0.78, Selector-like 0.57, Random 0.12.

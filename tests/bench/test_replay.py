@@ -10,8 +10,10 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
 from agentkv.bench import replay as replay_module
 from agentkv.bench._defaults import POLICY_NAMES
+from agentkv.bench.plan import TapePlan
 from agentkv.bench.policies import POLICIES, AgentKV, KVFlow, ScoredPolicy
-from agentkv.bench.replay import Replay, TapePlan, candidate_capacities, replay, sweep
+from agentkv.bench.replay import Replay, replay
+from agentkv.bench.sweep import candidate_capacities, sweep
 from agentkv.bench.tape import WorkloadConfig, generate, read_tape, write_tape
 from agentkv.bench.workloads import ZOO
 from server_patch._free_queue import ScoredFreeBlockQueue

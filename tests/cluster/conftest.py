@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agentkv.cluster import Cluster, ClusterConfig
+from agentkv.testing.vllm_server import TEST_ENV
 
 BLOCK = 32
 
@@ -24,6 +25,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         sync_interval=1.0,
         name="pytest",
         log_dir=tmp_path_factory.mktemp("cluster"),
+        env=TEST_ENV,
     )
     with Cluster(config) as running:
         yield running

@@ -1,7 +1,8 @@
 """``agentkv cluster up`` / ``cluster down`` run as a user runs them: the command line, in a subprocess.
 
 The fixture in conftest.py builds ``Cluster`` directly; this test goes through argument parsing and
-``_up``, which once passed the sync interval where the router arguments belong and never started.
+``_up``, which once passed the sync interval where the router arguments belong and never started, and
+checks that each replica runs in the user's own environment (the cluster once forced the tests' one).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 
 from agentkv.cluster import _state_file
 from agentkv.protocol import STATS_PATH, AgentTag
+from agentkv.testing.vllm_server import TEST_ENV
 
 from .conftest import BLOCK
 
@@ -40,6 +42,12 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _environment(pid: int) -> dict[str, str]:
+    """The environment a process was started with (Linux)."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().partition("=")[::2] for e in entries if e)
+
+
 def _wait_for_state(up: subprocess.Popen[str], state: Path) -> dict:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
@@ -55,7 +63,9 @@ def _wait_for_state(up: subprocess.Popen[str], state: Path) -> dict:
 def test_cluster_up_and_down_from_the_command_line(tiny_model_dir: Path) -> None:
     name = f"pytest-cli-{uuid.uuid4().hex[:6]}"
     state = _state_file(name)
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    # the user's environment: the tests' defaults minus one, plus a variable of the user's own
+    env = {k: v for k, v in {**os.environ, **TEST_ENV}.items() if k != "DO_NOT_TRACK"}
+    env |= {"PYTHONPATH": str(REPO_ROOT), "AGENTKV_CLI_TEST": name}
     up = subprocess.Popen(
         _agentkv("cluster", "up", "--replicas", "2", "--router-policy", "kv_aware", "--sync-interval", "1",
                  "--name", name, str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "bfloat16",
@@ -68,6 +78,11 @@ def test_cluster_up_and_down_from_the_command_line(tiny_model_dir: Path) -> None
     try:
         recorded = _wait_for_state(up, state)
         assert recorded["pid"] == up.pid and len(recorded["replicas"]) == 2
+        for index, pgid in enumerate(recorded["pgids"][:2]):  # replicas first, then the router
+            replica_env = _environment(pgid)
+            assert {k: replica_env.get(k) for k in env} == env  # passed through, nothing overridden
+            assert "DO_NOT_TRACK" not in replica_env  # the tests' environment is not forced on the user
+            assert replica_env["AGENTKV_REPLICA"] == f"{name}-replica-{index}"
         for index, replica in enumerate(recorded["replicas"]):
             stats = httpx.get(replica + STATS_PATH, trust_env=False, timeout=30)
             assert stats.status_code == 200

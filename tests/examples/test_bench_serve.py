@@ -156,7 +156,7 @@ def test_replica_options_reach_the_config_and_bad_ones_are_refused(monkeypatch, 
 
 
 def test_targets_cover_every_policy_and_key_once_and_events_go_to_every_agentkv_replica():
-    from agentkv.bench.serve_replicas import targets_for
+    from agentkv.bench.serve.replicas import targets_for
 
     config = ServeConfig(replicas=2, routers=["kv_aware", "round_robin"], routing_keys=["session", "agent"])
     replicas = {"vanilla": ["http://v0", "http://v1"], "agentkv": ["http://a0", "http://a1"]}
@@ -220,7 +220,7 @@ def test_example_workloads_repeat_the_work_not_the_prompt():
 
 
 def test_warmup_variant_shares_agentkv_engines_but_never_its_sessions():
-    from agentkv.bench.serve_replicas import targets_for
+    from agentkv.bench.serve.replicas import targets_for
 
     config = ServeConfig(replicas=2, routers=["consistent_hash"], routing_keys=["agent"], warmup=True)
     replicas = {"vanilla": ["http://v0", "http://v1"], "agentkv": ["http://a0", "http://a1"]}

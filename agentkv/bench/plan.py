@@ -1,0 +1,195 @@
+"""A tape prepared for replay: token ids, vLLM block hashes, segment kinds, future uses and the app's graph."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens
+from vllm.v1.request import Request
+
+from agentkv.protocol import ProtocolError, validate_id
+
+from .tape import Tape, TapeRequest, segment_kind
+from .topologies import AGENTS, TOPOLOGIES, topology
+
+__all__ = ["TapePlan"]
+
+# The parent of a tape's first block (vLLM's NONE_HASH is random per process unless
+# PYTHONHASHSEED is set; a constant root keeps block hashes identical across processes).
+_ROOT = BlockHash(sha256(("agentkv-tape", 1)))
+_NOT_WIRE = re.compile(r"[^A-Za-z0-9._:@/-]")  # outside agentkv.protocol's id alphabet
+
+
+class TapePlan:
+    """Everything a replay needs from a tape, computed once: token ids, block hashes
+    (vLLM's ``hash_block_tokens`` with sha256), segment kinds and the future-use index."""
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+        self.requests: list[TapeRequest] = tape.requests
+        self.block_size = bs = tape.block_size
+        self._segment_cache: dict[str, list[int]] = {}
+        self._hash_memo: dict[tuple[bytes, tuple[int, ...]], BlockHash] = {}
+        self.prompts: list[list[int]] = []
+        self.outputs: list[list[int]] = []
+        self.hashes: dict[str, list[BlockHash]] = {}
+        self.anchor_spans: list[list[tuple[int, int]]] = []
+        self.kind_of_hash: dict[bytes, str] = {}
+        self.uses: dict[bytes, list[int]] = {}
+        for index, request in enumerate(self.requests):
+            prompt = self.tokens_of(request.segments)
+            output = self._segment(request.output_key, request.output_tokens)
+            hashes = self._hash_chain(prompt + output)
+            self.prompts.append(prompt)
+            self.outputs.append(output)
+            self.hashes[request.id] = hashes
+            spans, position = [], 0
+            for key, n in request.segments:
+                if segment_kind(key) == "anchor":
+                    spans.append((position, position + n))
+                position += n
+            self.anchor_spans.append(spans)
+            for b, block_hash in enumerate(hashes):
+                if block_hash not in self.kind_of_hash:
+                    inside = any(lo <= b * bs and (b + 1) * bs <= hi for lo, hi in spans)
+                    self.kind_of_hash[block_hash] = "anchor" if inside else "history"
+            for block_hash in hashes[: len(prompt) // bs]:
+                self.uses.setdefault(block_hash, []).append(index)
+        self.next_in_session: list[int | None] = [None] * len(self.requests)
+        last: dict[str, int] = {}
+        for index, request in enumerate(self.requests):
+            if request.session in last:
+                self.next_in_session[last[request.session]] = index
+            last[request.session] = index
+        self.max_request_blocks = max(-(-(len(p) + len(o)) // bs) for p, o in zip(self.prompts, self.outputs,
+                                                                                     strict=True))
+        self.anchor_blocks = sum(1 for kind in self.kind_of_hash.values() if kind == "anchor")
+
+    # -- tokens and hashes -------------------------------------------------------------
+
+    def _segment(self, key: str, n_tokens: int) -> list[int]:
+        tokens = self._segment_cache.get(key)
+        if tokens is None or len(tokens) < n_tokens:
+            tokens = self._segment_cache[key] = self.tape.tokens(key, n_tokens)
+        return tokens[:n_tokens]
+
+    def tokens_of(self, segments: Sequence[tuple[str, int]]) -> list[int]:
+        out: list[int] = []
+        for key, n in segments:
+            out.extend(self._segment(key, n))
+        return out
+
+    def _hash_chain(self, tokens: list[int]) -> list[BlockHash]:
+        bs, memo = self.block_size, self._hash_memo
+        parent, out = _ROOT, []
+        for start in range(0, len(tokens) - bs + 1, bs):
+            key = (parent, tuple(tokens[start : start + bs]))
+            block_hash = memo.get(key)
+            if block_hash is None:
+                block_hash = memo[key] = hash_block_tokens(sha256, parent, key[1])
+            out.append(block_hash)
+            parent = block_hash
+        return out
+
+    def register(self, request_id: str, tokens: list[int]) -> None:
+        """Precompute the block hashes of an extra request (a warm-up)."""
+        self.hashes[request_id] = self._hash_chain(tokens)
+
+    def hasher(self, request: Request) -> list[BlockHash]:
+        """vLLM block_hasher: the request's new full-block hashes, precomputed."""
+        have = len(request.block_hashes)
+        return self.hashes[request.request_id][have : request.num_tokens // self.block_size]
+
+    # -- workload facts --------------------------------------------------------------------
+
+    def anchor_hit_tokens(self, index: int, hit: int) -> int:
+        return sum(max(0, min(hi, hit) - lo) for lo, hi in self.anchor_spans[index])
+
+    def anchor_segments(self, request: TapeRequest) -> tuple[tuple[str, int], ...]:
+        """The request's leading anchor segments (what a warm-up coordinator records per agent)."""
+        out = []
+        for key, n in request.segments:
+            if segment_kind(key) != "anchor":
+                break
+            out.append((key, n))
+        return tuple(out)
+
+    def is_handoff(self, request: TapeRequest) -> bool:
+        """True if the session continues with another dispatch (a new step) after this request."""
+        index = self._index_of(request)
+        following = self.next_in_session[index]
+        return following is not None and (request.step is None or self.requests[following].step != request.step)
+
+    def is_tool_call(self, request: TapeRequest) -> bool | None:
+        """Whether the request's answer was a tool call (the session's next request continues its
+        dispatch), as the response's finish_reason tells the server; None for a tape without steps."""
+        if request.step is None:
+            return None
+        following = self.next_in_session[self._index_of(request)]
+        return following is not None and self.requests[following].step == request.step \
+            and self.requests[following].agent == request.agent
+
+    def _index_of(self, request: TapeRequest) -> int:
+        if not hasattr(self, "_indices"):
+            self._indices = {r.id: i for i, r in enumerate(self.requests)}
+        return self._indices[request.id]
+
+    @property
+    def topology_name(self) -> str | None:
+        name = self.tape.header.get("workload", {}).get("topology")
+        return name if name in TOPOLOGIES else None
+
+    def agents(self) -> list[str]:
+        return list(dict.fromkeys(r.agent for r in self.requests))
+
+    @property
+    def header_graph(self) -> dict[str, Any] | None:
+        """The tape header's declared graph (``graph``, validated by ``read_tape``), if any."""
+        graph = self.tape.header.get("graph")
+        return graph if isinstance(graph, dict) else None
+
+    def declared_graph(self) -> dict[str, set[str]]:
+        """The graph the app declares: the header's ``graph`` (every possible transition), else
+        the named topology's (its support); for a tape with neither, the complete graph over its agents."""
+        graph = self.header_graph
+        if graph is not None:
+            out: dict[str, set[str]] = {a: set() for a in graph["nodes"]}
+            for a, b in graph.get("edges", []):
+                out[a].add(b)
+            return out
+        name = self.topology_name
+        if name is None:
+            agents = self.agents()
+            return {a: set(agents) for a in agents}
+        matrix = topology(name).matrix
+        return {a: {b for j, b in enumerate(AGENTS) if matrix[i, j] > 1e-12} for i, a in enumerate(AGENTS)}
+
+    def entry_agents(self) -> list[str]:
+        graph = self.header_graph
+        if graph is not None and graph.get("entry"):
+            return list(graph["entry"])
+        return list(dict.fromkeys(r.agent for r in self.requests if r.parent == ""))
+
+    def graph_event(self) -> dict[str, Any] | None:
+        """The ``graph`` event the app would send (ids outside the wire alphabet left out); None without a graph."""
+        if self.header_graph is None and self.topology_name is None:
+            return None
+        graph = {a: {b for b in succ if _fits_wire(b)} for a, succ in self.declared_graph().items() if _fits_wire(a)}
+        edges = sorted([a, b] for a, succ in graph.items() if len(succ) == 1 for b in succ)
+        conditional = sorted([a, b] for a, succ in graph.items() if len(succ) > 1 for b in succ)
+        name = f"tape-{self.tape.name}" if self.topology_name is None else f"topology-{self.topology_name}"
+        return {"type": "graph", "id": _NOT_WIRE.sub("-", name)[:128], "nodes": list(graph),
+                "edges": edges, "conditional_edges": conditional,
+                "entry": [a for a in self.entry_agents() if a in graph]}
+
+
+def _fits_wire(value: str) -> bool:
+    try:
+        validate_id(value, "agent")
+    except ProtocolError:
+        return False
+    return True
+

@@ -1,0 +1,27 @@
+"""``agentkv bench serve``: run the benchmark from the command line, write and print the reports."""
+
+from __future__ import annotations
+
+import argparse
+
+from agentkv.bench.serve_args import config_from_args
+
+from .report import comparison_report, confusion_markdown, markdown_table, write_reports
+from .run import run_benchmark
+
+__all__ = ["main"]
+
+
+def main(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    result = run_benchmark(config)
+    paths = write_reports(result, config.out, args.plot)
+    print()
+    print(markdown_table(result["rows"]))
+    print()
+    print("\n".join(comparison_report(result)))
+    for row in result["rows"]:
+        if row.get("confusion"):
+            print("\n" + confusion_markdown(row))
+    print("\n" + ", ".join(f"{k}: {v}" for k, v in paths.items()))
+    return 0

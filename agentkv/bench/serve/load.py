@@ -1,0 +1,114 @@
+"""The load driver: sessions arriving as a Poisson process at one rate on one target."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import time
+from types import ModuleType
+from typing import Any
+
+import httpx
+
+from .app import load_example
+from .scrape import engine_counters, engine_recognitions, engine_warmups
+from .stats import RateRun, confusion_table
+from .targets import Target
+from .timing import CallTimer
+
+__all__ = ["arrival_times", "run_rate"]
+
+
+def arrival_times(rate: float, sessions: int, seed: int) -> list[float]:
+    """Poisson arrivals: cumulative exponential gaps (the first session arrives at 0)."""
+    rng = random.Random(f"arrivals:{seed}:{rate}")
+    times, t = [], 0.0
+    for _ in range(sessions):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def _load() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - not on Linux/macOS
+        return math.nan
+
+
+async def run_rate(
+    app: Any,
+    team: Any,
+    target: Target,
+    *,
+    rate: float,
+    sessions: int,
+    seed: int,
+    prefix: str,
+    concurrency: int = 16,
+    example: ModuleType | None = None,
+    untagged: bool = False,
+) -> RateRun:
+    """Run ``sessions`` sessions arriving at ``rate`` per second on one target.
+
+    ``app`` is the instrumented LangGraph app, ``team`` its ``TeamConfig`` (pointing at
+    ``target.url``). Workloads are ``{prefix}-{i}``: the same workloads (and seed) give the same
+    tasks and routes on every target; session ids add ``target.session_suffix``. ``X-Session-ID``
+    carries ``target.routing_key`` during the run; ``agentkv+warmup`` runs a ``WarmupCoordinator``.
+    ``untagged`` (an uninstrumented ``app``): on an agentkv target, the run's calls are matched
+    to the server's recognitions (``GET /agentkv/v1/recognized``) for a confusion table.
+    """
+    from agentkv.frameworks import set_routing_key
+    from agentkv.warmup import WarmupCoordinator
+
+    example = example or load_example()
+    timer = CallTimer()
+    limit = asyncio.Semaphore(concurrency)
+    failures: list[str] = []
+
+    async def session(i: int, at: float, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        async with limit:
+            try:
+                workload = f"{prefix}-{i}"
+                await example.run_session(app, workload + target.session_suffix, team, callbacks=[timer],
+                                          workload=workload)
+            except Exception as exc:  # a failed session is counted, the run goes on
+                failures.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    load0 = _load()
+    recognize = untagged and target.server != "vanilla"
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+        seen = {r[0] for r in await engine_recognitions(client, target.engines)} if recognize else set()
+        before = await engine_counters(client, target.engines)
+        warmed_before = await engine_warmups(client, target.engines) if target.warmup else None
+        previous_key = set_routing_key(target.routing_key)
+        warmup = WarmupCoordinator(target.url).start() if target.warmup else None
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(session(i, at, t0) for i, at in enumerate(arrival_times(rate, sessions, seed))))
+        finally:
+            set_routing_key(previous_key)
+            if warmup is not None:
+                warmup.close()
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(0.2)  # let the engine's counters settle
+        after = await engine_counters(client, target.engines)
+        confusion = None
+        if recognize:
+            fresh = [r for r in await engine_recognitions(client, target.engines) if r[0] not in seen]
+            confusion = confusion_table(timer.records, fresh)
+        warmed = None if warmed_before is None else await engine_warmups(client, target.engines) - warmed_before
+    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    queries = tuple(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    warmups = None
+    if warmup is not None:
+        stats = warmup.stats()
+        warmups = {k: stats[k] for k in ("sent", "failed", "dropped")} | {
+            f"skipped_{reason}": n for reason, n in stats["skipped"].items()} | {
+            f"fallback_{name}": n for name, n in stats["fallbacks"].items()} | {
+            f"server_{outcome}": n for outcome, n in (warmed or {}).items()}
+    return RateRun(target.server, rate, sessions, team.turns, timer.records, wall, sum(hits), sum(queries),
+                   failures, (load0, _load()), target.setup, queries, warmups, confusion)

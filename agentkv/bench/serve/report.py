@@ -1,0 +1,97 @@
+"""The reports of ``agentkv bench serve``: markdown tables, the paired comparisons, serve.json/.md/.png."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agentkv.bench.serve_paired import comparison_lines
+
+from .plots import plot, plot_setups
+from .targets import SERVERS
+
+__all__ = ["comparison_report", "confusion_markdown", "markdown_table", "write_reports"]
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per (rate, setup, server), plus agentkv's TTFT as a fraction of vanilla's in the
+    same rate and setup. The setup column (and the replicas' share of the prompt tokens) appears
+    when some row ran behind a router."""
+    by_key = {(r["rate"], r.get("setup", "single"), r["server"]): r for r in rows}
+    setups = list(dict.fromkeys(r.get("setup", "single") for r in rows))
+    routed = setups != ["single"]
+    head = "| sessions/s | " + ("setup | " if routed else "") + "server | hit rate | anchor kept | TTFT mean " \
+        "| TTFT p50 | TTFT p99 | turn mean | turn p99 | turns/s | TTFT vs vanilla | " \
+        + ("replica share | " if routed else "") + "load avg |"
+    lines = [head, "|---:|" + ("---|" if routed else "") + "---|" + "---:|" * (9 + routed) + "---:|"]
+
+    def order(r: dict[str, Any]) -> tuple[Any, ...]:
+        server = SERVERS.index(r["server"]) if r["server"] in SERVERS else 9
+        return r["rate"], setups.index(r.get("setup", "single")), server
+
+    for r in sorted(rows, key=order):
+        setup = r.get("setup", "single")
+        base = by_key.get((r["rate"], setup, "vanilla"))
+        ratio = f"{r['ttft_mean_ms'] / base['ttft_mean_ms']:.2f}x" if base and r is not base else ""
+        errors = f" ({r['errors']} errors)" if r.get("errors") else ""
+        share = "/".join(f"{x:.0%}" for x in r.get("engine_share", []))
+        lines.append(
+            f"| {r['rate']:g} | " + (f"{setup} | " if routed else "")
+            + f"{r['server']}{errors} | {r['hit_rate']:.1%} | {_pct(r.get('anchor_hit_rate'))} "
+            f"| {r['ttft_mean_ms']:.0f} ms "
+            f"| {r['ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {r['turn_mean_ms']:.0f} ms "
+            f"| {r['turn_p99_ms']:.0f} ms | {r['throughput']:.2f} | {ratio} | "
+            + (f"{share} | " if routed else "") + f"{_load_range(r.get('load'))} |"
+        )
+    return "\n".join(lines)
+
+
+def confusion_markdown(row: dict[str, Any]) -> str:
+    """A row's confusion table: one line per true agent, one column per recognized agent."""
+    table: dict[str, dict[str, int]] = row["confusion"]
+    found = sorted({f for counts in table.values() for f in counts}, key=lambda f: (f in "-?", f))
+    lines = [f"{row['server']} at {row['rate']:g} sessions/s: true agent (rows) vs recognized agent (columns)", "",
+             "| agent | " + " | ".join(found) + " |", "|---|" + "---:|" * len(found)]
+    lines += [f"| {agent} | " + " | ".join(str(counts.get(f, "")) for f in found) + " |"
+              for agent, counts in table.items()]
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None or math.isnan(value) else f"{value:.0%}"
+
+
+def _load_range(load: Sequence[float] | None) -> str:
+    return "" if not load else f"{load[0]:.1f}-{load[-1]:.1f}"
+
+
+def comparison_report(result: dict[str, Any]) -> list[str]:
+    """The paired ratios with their intervals, one paragraph per (rate, setup, server)."""
+    lines = []
+    for c in result.get("comparisons", []):
+        name = c["server"] if c["setup"] == "single" else f"{c['server']} {c['setup']}"
+        lines += [*comparison_lines(c["rate"], c, name), ""]
+    return lines
+
+
+def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = None) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "serve.json", "md": out / "serve.md"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tables = [markdown_table(result["rows"]), "\n".join(comparison_report(result))]
+    tables += [confusion_markdown(r) for r in result["rows"] if r.get("confusion")]
+    paths["md"].write_text("\n\n".join(tables) + "\n")
+    c = result["config"]
+    title = (f"{c['sessions']} sessions/rate x {c.get('repeats', 1)} repeats, {c['turns']} turns, "
+             f"{int(c['blocks']) - 1} blocks x {c['block_size']} tokens, tool gap {c['tool_gap']} s, seed {c['seed']}")
+    if any(r.get("setup", "single") != "single" for r in result["rows"]):
+        title += f"; {c['replicas']} replicas share the blocks"
+        png = plot_setups(result["rows"], plot_path or out / "serve.png", title)
+    else:
+        png = plot(result["rows"], plot_path or out / "serve.png", title)
+    if png is not None:
+        paths["png"] = png
+    return paths

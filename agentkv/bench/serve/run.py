@@ -1,0 +1,150 @@
+"""The benchmark: every rate on every target, in alternating blocks, paired comparisons against vanilla."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentkv.bench.serve_args import ServeConfig
+from agentkv.bench.serve_paired import Block, Swap, compare, core_pair, swap_cores
+
+from .app import load_example
+from .load import run_rate
+from .replicas import start_targets
+from .servers import start_servers
+from .stats import RateRun, pooled_row
+from .targets import Target, single_targets
+
+__all__ = ["add_anchor_hits", "block_sizes", "run_benchmark"]
+
+
+def block_sizes(sessions: int, block_sessions: int) -> list[int]:
+    """Sessions per block: ``sessions`` split into blocks of ``block_sessions`` (the last may be smaller)."""
+    full, rest = divmod(sessions, max(1, block_sessions))
+    return [block_sessions] * full + ([rest] if rest else [])
+
+
+def _comparisons(blocks: dict[tuple[float, str, str], list[Block]], seed: int) -> list[dict[str, Any]]:
+    """Every non-vanilla target against vanilla in the same rate and setup, paired by block."""
+    out = []
+    for (rate, setup, server), ours in blocks.items():
+        base = blocks.get((rate, setup, "vanilla"))
+        if server != "vanilla" and base is not None:
+            out.append({"rate": rate, "setup": setup, "server": server,
+                        **compare(list(zip(base, ours, strict=True)), seed=seed)})
+    return out
+
+
+async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None = None
+                     ) -> dict[str, Any]:
+    import agentkv
+
+    example = load_example()
+    apps: list[tuple[Target, Any, Any]] = []
+    for target in targets:
+        team = example.TeamConfig(base_url=target.url + "/v1", max_tokens=config.max_tokens, turns=config.turns,
+                                  tool_gap=config.tool_gap, seed=config.seed, tool_choice="none", routing="markov")
+        app = example.build_team(team)
+        if not config.untagged:
+            app = agentkv.instrument(app, events_url=list(target.events) or None)
+        apps.append((target, app, team))
+    for target, app, team in apps:
+        if config.warmup_sessions:
+            log(f"warm-up: {config.warmup_sessions} sessions on {_label(target)}")
+            await run_rate(app, team, target, rate=max(config.rates), sessions=config.warmup_sessions,
+                           seed=config.seed, prefix="warmup", concurrency=2, example=example,
+                           untagged=config.untagged)
+    runs: dict[tuple[float, str, str], list[RateRun]] = {}
+    blocks: dict[tuple[float, str, str], list[Block]] = {}
+    for repeat in range(config.repeats):
+        for index, rate in enumerate(config.rates):
+            # short alternating blocks (the order flips every block), cores swapped halfway
+            sizes = block_sizes(config.sessions, config.block_sessions)
+            for b, size in enumerate(sizes):
+                if swap is not None and b == len(sizes) // 2 and b > 0:
+                    log(f"cores swapped ({swap()} engine threads moved)")
+                order = apps if (index + repeat + b) % 2 == 0 else list(reversed(apps))
+                for target, app, team in order:
+                    run = await run_rate(app, team, target, rate=rate, sessions=size,
+                                         seed=config.seed + 1000 * repeat + b, prefix=f"x{repeat}-r{index}-b{b}",
+                                         concurrency=config.concurrency, example=example,
+                                         untagged=config.untagged)
+                    runs.setdefault((rate, target.setup, target.server), []).append(run)
+                    blocks.setdefault((rate, target.setup, target.server), []).append(Block.of(run))
+                    row = run.row()
+                    log(f"{'' if config.repeats == 1 else f'[{repeat + 1}/{config.repeats}] '}rate {rate:g}/s "
+                        f"block {b + 1}/{len(sizes)} {_label(target):24s} hit {row['hit_rate']:.1%}  "
+                        f"TTFT mean {row['ttft_mean_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms  "
+                        f"turn {row['turn_mean_ms']:.0f} ms  {row['throughput']:.2f} turns/s  ({row['turns']} turns, "
+                        f"{row['errors']} errors, load {run.load[0]:.1f}->{run.load[1]:.1f})")
+                    await asyncio.sleep(0.5)  # let the background event posts drain
+    rows = [pooled_row(group) for group in runs.values()]
+    result: dict[str, Any] = {"config": _jsonable(asdict(config)), "rows": rows,
+                              "comparisons": _comparisons(blocks, config.seed)}
+    engines = list(dict.fromkeys(e for t in targets if t.server != "vanilla" for e in t.engines))
+    if engines:
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            with contextlib.suppress(httpx.HTTPError):
+                stats = [(await client.get(e + "/agentkv/v1/stats")).json() for e in engines]
+                result["agentkv_stats"] = stats[0]
+                if len(stats) > 1:
+                    result["agentkv_engine_stats"] = dict(zip(engines, stats, strict=True))
+                add_anchor_hits(rows, stats[0])
+    return result
+
+
+def _label(target: Target) -> str:
+    return target.server if target.setup == "single" else f"{target.server} {target.setup}"
+
+
+def add_anchor_hits(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> None:
+    """Add ``anchor_hit_rate`` to each row: the fraction of calls whose cached prefix covered the
+    whole anchor of their agent, as the agentkv server learned it (``anchor_length_blocks``)."""
+    block = int(stats.get("block_size") or 32)
+    anchors = {a: int(v.get("anchor_length_blocks") or 0) * block for a, v in stats.get("agents", {}).items()}
+    for row in rows:
+        calls = [c for c in row.get("calls", []) if anchors.get(c[0], 0) > 0]
+        row["anchor_hit_rate"] = sum(c[5] >= anchors[c[0]] for c in calls) / len(calls) if calls else math.nan
+
+
+def run_benchmark(
+    config: ServeConfig, *, servers: dict[str, Any] | None = None, targets: Sequence[Target] | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Run every rate on every target. ``servers`` ({"vanilla": ..., "agentkv": ...} objects with a
+    ``base_url``) or ``targets`` skip starting our own; otherwise both single servers start, plus,
+    with ``config.replicas > 1``, both kinds of replicas behind ``config.routers`` (see
+    :mod:`agentkv.bench.serve.replicas`). Returns ``{"config", "rows", "agentkv_stats"}``."""
+    if targets is not None:
+        return asyncio.run(_run_async(config, targets, log))
+    if servers is not None:
+        return asyncio.run(_run_async(config, single_targets(config, {n: s.base_url for n, s in servers.items()}), log))
+    if config.replicas > 1:
+        with start_targets(config, log=log) as started:
+            return asyncio.run(_run_async(config, started, log))
+    with start_servers(config) as started:
+        log("servers up: " + ", ".join(f"{n} {s.base_url} ({s.startup_seconds:.0f} s, engine on core "
+                                       f"{s.spec.env.get('VLLM_CPU_OMP_THREADS_BIND', 'any')})"
+                                       for n, s in started.items()))
+        cores = core_pair()
+        groups = [s.pid for s in started.values()]
+        swap = (lambda: swap_cores(groups, cores)) if config.swap_cores and cores[0] != cores[1] else None
+        targets = single_targets(config, {n: s.base_url for n, s in started.items()})
+        return asyncio.run(_run_async(config, targets, log, swap))
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,76 @@
+"""The two single servers of ``agentkv bench serve`` and the start/stop of any set of processes."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from agentkv.bench._defaults import SERVER_ENV
+from agentkv.bench.serve_args import ServeConfig, build_model
+from agentkv.bench.serve_paired import core_pair, pin_env
+from agentkv.launcher import ServerProcess, ServerSpec
+
+__all__ = ["running", "server_specs", "start_servers"]
+
+
+def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, ServerSpec]:
+    """Both single servers, each engine bound to a core of its own."""
+    common = {"model_dir": model_dir, "block_size": config.block_size, "num_gpu_blocks": config.blocks,
+              "max_model_len": config.max_model_len}
+    vanilla_core, agentkv_core = core_pair()
+    return {"vanilla": ServerSpec(**common, env=pin_env(vanilla_core)),
+            "agentkv": ServerSpec(**common, module="agentkv.serve", env=pin_env(agentkv_core))}
+
+
+@contextlib.contextmanager
+def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterator[dict[str, ServerProcess]]:
+    """Build the model, start both servers (in parallel), yield {name: ServerProcess}, stop them."""
+    model_dir = build_model(config)
+    log_dir = log_dir or config.out
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers = {
+        name: ServerProcess(spec, log_path=log_dir / f"{name}-server.log", base_env=SERVER_ENV)
+        for name, spec in server_specs(config, model_dir).items()
+    }
+    with running(list(servers.values())):
+        yield servers
+
+
+@contextlib.contextmanager
+def running(processes: Sequence[Any]) -> Iterator[None]:
+    """Start every process (objects with ``start()`` and an idempotent ``stop()``) in parallel,
+    and stop them all on any exit: errors, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt)."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        errors: list[BaseException] = []
+
+        def start(process: Any) -> None:
+            try:
+                process.start()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(p,), daemon=True) for p in processes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():  # join in slices so Ctrl-C is seen
+                thread.join(0.5)
+        if errors:
+            raise errors[0]
+        yield
+    finally:
+        for process in processes:
+            process.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

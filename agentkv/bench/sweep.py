@@ -1,0 +1,111 @@
+"""The replay sweep: tapes x capacities x policies, with the pressure preflight (``agentkv bench replay``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
+from .plan import TapePlan
+from .replay import replay
+from .report import targets
+from .tape import read_tape
+
+__all__ = ["candidate_capacities", "sweep"]
+
+
+_PLANS: dict[str, TapePlan] = {}
+
+
+def _plan(path: str) -> TapePlan:
+    plan = _PLANS.get(path)
+    if plan is None:
+        plan = _PLANS[path] = TapePlan(read_tape(path))
+    return plan
+
+
+def _cell(path: str, policy: str, capacity: int, ttl: float | None) -> dict[str, Any]:
+    result = replay(_plan(path), policy, capacity, ttl=ttl)
+    out = result.to_json()
+    out["tape"] = _plan(path).tape.name
+    return out
+
+
+def candidate_capacities(plan: TapePlan, multipliers: Sequence[float] = DEFAULT_MULTIPLIERS) -> list[int]:
+    """Capacities in blocks: multiples of the tape's largest request (+1 for vLLM's null block), rounded to 10."""
+    return sorted({round(m * plan.max_request_blocks / 10.0) * 10 + 1 for m in multipliers
+                   if m * plan.max_request_blocks >= plan.max_request_blocks})
+
+
+def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, capacities: Sequence[int] | None = None,
+          multipliers: Sequence[float] = DEFAULT_MULTIPLIERS, margin: float = DEFAULT_MARGIN, preflight: bool = True,
+          skip_dropped: bool = False, ttl: float | None = None, jobs: int = 2, progress: bool = True) -> dict[str, Any]:
+    """Run every (tape, capacity, policy) cell; returns the report dict (see report.markdown)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tqdm import tqdm
+
+    tapes = []
+    for path in paths:
+        plan = _plan(path)
+        caps = sorted(set(capacities)) if capacities else candidate_capacities(plan, multipliers)
+        caps = [c for c in caps if c - 1 >= plan.max_request_blocks]
+        tapes.append({"path": path, "name": plan.tape.name, "topology": plan.topology_name,
+                      "target_r": plan.tape.header.get("target_predictability"), "summary": plan.tape.summary(),
+                      "max_request_blocks": plan.max_request_blocks, "anchor_blocks": plan.anchor_blocks,
+                      "candidates": caps, "kept": list(caps)})
+    names = [t["name"] for t in tapes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tape names must differ (header 'name'): {names}")
+    first = [p for p in ("lru", "belady") if p in policies or preflight]
+    rest = [p for p in policies if p not in first]
+    results: list[dict[str, Any]] = []
+    total = sum(len(t["candidates"]) for t in tapes) * (len(first) + len(rest))
+    bar = tqdm(total=total, desc="replay", unit="cell", disable=not progress, file=sys.stderr)
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=_mp_context()) if jobs > 1 else None
+
+    def run(cells: list[tuple[str, str, int]]) -> None:
+        if pool is None:
+            for path, policy, cap in cells:
+                results.append(_cell(path, policy, cap, ttl))
+                bar.update(1)
+            return
+        futures = [pool.submit(_cell, path, policy, cap, ttl) for path, policy, cap in cells]
+        for future in futures:
+            results.append(future.result())
+            bar.update(1)
+
+    try:
+        run([(t["path"], p, c) for t in tapes for c in t["candidates"] for p in first])
+        if preflight:
+            done = _index(results)
+            for t in tapes:
+                t["kept"] = [c for c in t["candidates"]
+                             if 100 * (done[t["name"], c, "belady"] - done[t["name"], c, "lru"]) >= margin]
+        cells = [(t["path"], p, c) for t in tapes
+                 for c in (t["kept"] if skip_dropped else t["candidates"]) for p in rest]
+        bar.total = len(results) + len(cells)
+        bar.refresh()
+        run(cells)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    bar.close()
+    order = {p: i for i, p in enumerate(policies)}
+    results.sort(key=lambda r: (names.index(r["tape"]), r["capacity"], order.get(r["policy"], len(order))))
+    results = [r for r in results if r["policy"] in order]
+    report = {"policies": list(policies), "margin": margin, "preflight": preflight, "tapes": tapes, "results": results}
+    report["targets"] = targets(report)
+    return report
+
+
+def _index(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int, str], float]:
+    return {(r["tape"], r["capacity"], r["policy"]): r["hit_rate"] for r in results}
+
+
+def _mp_context() -> Any:
+    import multiprocessing
+
+    # fork shares the imported vLLM with the workers (spawn would re-import it per worker)
+    return multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)

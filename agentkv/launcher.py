@@ -1,0 +1,290 @@
+"""Start and stop vLLM server processes on loopback: ``agentkv cluster``, ``agentkv bench``, the demo.
+
+A process serves on 127.0.0.1 only; the only traffic this module sends is ``GET /health``
+to that address. The child gets the caller's environment, plus ``PYTHONUNBUFFERED`` (its log
+is written as it happens), plus what the caller asks for (``base_env``, then the spec's ``env``).
+Tests add their own defaults on top (:mod:`agentkv.testing.vllm_server`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol
+
+import httpx
+
+__all__ = ["HOST", "VLLM_MODULE", "Command", "Launchable", "ServerProcess", "ServerSpec", "free_port"]
+
+HOST = "127.0.0.1"
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+LAUNCH_ENV: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+
+# Python exception summary lines ("ValueError: ..."), possibly behind a vLLM log prefix.
+_EXCEPTION_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR .*?\] )?[\w.]*(?:Error|Exception): ")
+
+
+def free_port() -> int:
+    """Return a TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class Launchable(Protocol):
+    """What :class:`ServerProcess` runs: a command line serving ``GET /health`` on ``port``."""
+
+    env: dict[str, str]
+
+    def command(self, port: int) -> list[str]: ...
+
+
+@dataclass
+class Command:
+    """Any command line (``argv(port)``) that serves ``/health`` on ``port``, with extra ``env``."""
+
+    argv: Callable[[int], list[str]]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self, port: int) -> list[str]:
+        return self.argv(port)
+
+
+@dataclass
+class ServerSpec:
+    """A vLLM OpenAI server with a fixed KV-cache pool. ``extra_args`` are appended verbatim to
+    the command line; ``env`` is applied on top of the launcher's environment; ``module`` is run
+    with ``python -m`` (``agentkv.serve`` launches vLLM with the agentkv extension).
+
+    vLLM on CPU requires ``block_size`` to be a multiple of 32 and
+    ``(num_gpu_blocks - 1) * block_size >= max_model_len`` (block 0 is the null block).
+    """
+
+    model_dir: str | Path
+    served_model_name: str = "tiny"
+    block_size: int = 32
+    num_gpu_blocks: int = 80
+    max_model_len: int = 2048
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    module: str = VLLM_MODULE
+
+    def command(self, port: int) -> list[str]:
+        """The full command line for a server on ``127.0.0.1:port``."""
+        return [
+            sys.executable, "-m", self.module,
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--dtype", "bfloat16",
+            "--max-model-len", str(self.max_model_len),
+            "--block-size", str(self.block_size),
+            "--num-gpu-blocks-override", str(self.num_gpu_blocks),
+            "--enforce-eager",
+            "--enable-prompt-tokens-details",
+            "--host", HOST,
+            "--port", str(port),
+            *self.extra_args,
+        ]
+
+
+class ServerProcess:
+    """One server process (plus its children, e.g. vLLM's engine) in its own process group.
+
+    Invariants:
+
+    * After :meth:`start` returns, ``GET /health`` answered 200 and :attr:`pid` is the
+      leader of a new session/process group holding every process the server spawned.
+    * :meth:`stop` is idempotent; it signals the whole group (SIGTERM, then SIGKILL after
+      ``stop_timeout`` seconds) and is registered with :mod:`atexit` while running, so a
+      crashed test run leaves no orphan (not guaranteed if the parent itself is SIGKILLed).
+    * A failed start raises :class:`RuntimeError` with the tail of the log and leaves
+      nothing running. The log file is kept after stop (see :attr:`log_path`).
+    * Not restartable: one instance runs at most one server.
+    * The child's environment: the caller's, :data:`LAUNCH_ENV`, ``base_env`` (default
+      :attr:`default_env`), then the spec's ``env``; later ones win.
+    """
+
+    default_env: Mapping[str, str] = {}
+
+    def __init__(
+        self,
+        spec: Launchable,
+        *,
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        stop_timeout: float = 20.0,
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.base_env = dict(self.default_env if base_env is None else base_env)
+        self._port = port if port is not None else free_port()
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-server-{self._port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.stop_timeout = stop_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._launched_at = 0.0
+        self.startup_seconds: float | None = None
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        """Launch the server and block until ``/health`` answers 200."""
+        self.launch()
+        return self.wait_healthy(timeout)
+
+    def launch(self) -> ServerProcess:
+        """Start the process without waiting (several servers can then start in parallel)."""
+        if self._proc is not None:
+            raise RuntimeError(f"{type(self).__name__}.start() called twice")
+        env = {**os.environ, **LAUNCH_ENV, **self.base_env, **self.spec.env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._launched_at = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                self.spec.command(self._port),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        atexit.register(self.stop)
+        return self
+
+    def wait_healthy(self, timeout: float = 300.0) -> ServerProcess:
+        """Block until ``/health`` answers 200; on failure stop and raise with the log."""
+        assert self._proc is not None, "launch() first"
+        t0 = self._launched_at
+        deadline = t0 + timeout
+        with httpx.Client(trust_env=False, timeout=2.0) as client:
+            while True:
+                if self._proc.poll() is not None:
+                    code = self._proc.returncode
+                    self.stop()
+                    raise RuntimeError(
+                        f"server exited with code {code} during start-up\n{self._failure_report()}"
+                    )
+                try:
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"server not healthy after {timeout:.0f} s\n{self._failure_report()}"
+                    )
+                time.sleep(0.5)
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def stop(self) -> None:
+        """Terminate the whole process group; safe to call any number of times."""
+        proc = self._proc
+        if proc is None:
+            return
+        atexit.unregister(self.stop)
+        pgid = proc.pid  # leader of its own session, so pgid == pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        while time.monotonic() < deadline:
+            proc.poll()
+            if proc.returncode is not None and not _group_alive(pgid):
+                break
+            time.sleep(0.2)
+        else:
+            _signal_group(pgid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            pass
+        # Engine children may outlive the leader for a moment; never leave them behind.
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the server log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                tail = deque(f, maxlen=lines)
+        except OSError as exc:
+            return f"<no log at {self.log_path}: {exc}>"
+        return b"".join(tail).decode("utf-8", "replace")
+
+    def _failure_report(self) -> str:
+        """Exception lines from the whole log (the EngineCore's root cause is often more than
+        60 lines from the end), then the log tail."""
+        try:
+            with open(self.log_path, "rb") as f:
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            text = ""
+        causes = list(dict.fromkeys(ln for ln in text.splitlines() if _EXCEPTION_LINE.match(ln)))
+        head = "".join(f"  {ln}\n" for ln in causes[:10])
+        return f"exceptions in {self.log_path}:\n{head}--- last 60 lines ---\n{self.log_tail()}"
+
+    def __enter__(self) -> ServerProcess:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={self.base_url!r}, pid={self.pid}, log={str(self.log_path)!r})"
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
