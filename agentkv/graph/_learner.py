@@ -1,4 +1,4 @@
-"""Online first-order Markov model of agent transitions (seed 001 §3.2)."""
+"""Online first-order Markov model of agent transitions (docs/design.md: the learning core)."""
 
 from __future__ import annotations
 
