@@ -33,6 +33,15 @@ class BoundedDict(MutableMapping[K, V]):
     def cap(self) -> int:
         return self._cap
 
+    @cap.setter
+    def cap(self, cap: int) -> None:
+        """A new cap; the least recently seen keys beyond it go at once."""
+        if cap < 0:
+            raise ValueError(f"cap must be >= 0, not {cap}")
+        self._cap = cap
+        while len(self._data) > cap:
+            self._data.popitem(last=False)
+
     def __getitem__(self, key: K) -> V:
         return self._data[key]
 

@@ -7,12 +7,13 @@ Events are idempotent: replaying an event (same ``id``) changes nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import networkx as nx
 import numpy as np
+
+from agentkv._bounded import BoundedDict
 
 __all__ = ["END", "START", "FactsFull", "GraphFacts"]
 
@@ -39,11 +40,9 @@ class GraphFacts:
     ) -> None:
         self.graph: nx.DiGraph = nx.DiGraph()
         self.entry: set[str] = set()
-        self.ended: OrderedDict[str, str] = OrderedDict()  # session -> "session_end" | "cancel"
-        self.started: OrderedDict[str, None] = OrderedDict()
-        self._seen_ids: OrderedDict[str, None] = OrderedDict()
-        self._max_ended = max_ended
-        self._max_event_ids = max_event_ids
+        self.ended: BoundedDict[str, str] = BoundedDict(max_ended)  # session -> "session_end" | "cancel"
+        self.started: BoundedDict[str, None] = BoundedDict(max_ended)
+        self._seen_ids: BoundedDict[str, None] = BoundedDict(max_event_ids)
         self.max_nodes = max_nodes
         self.max_edges = max_edges
         self.version = 0
@@ -93,15 +92,11 @@ class GraphFacts:
     def start_session(self, session: str) -> None:
         self.ended.pop(session, None)
         self.started[session] = None
-        self.started.move_to_end(session)
-        _trim(self.started, self._max_ended)
         self.version += 1
 
     def end_session(self, session: str, *, cancelled: bool = False) -> None:
         self.started.pop(session, None)
         self.ended[session] = "cancel" if cancelled else "session_end"
-        self.ended.move_to_end(session)
-        _trim(self.ended, self._max_ended)
         self.version += 1
 
     def apply(self, event: Mapping[str, Any]) -> bool:
@@ -126,7 +121,6 @@ class GraphFacts:
             raise ValueError(f"unknown event type {kind!r}")
         if key is not None:  # only once applied: a refused event may be sent again
             self._seen_ids[key] = None
-            _trim(self._seen_ids, self._max_event_ids)
         return True
 
     # -- reading -------------------------------------------------------------------
@@ -176,8 +170,3 @@ class GraphFacts:
             "conditional_edges": sorted([u, v] for u, v, k in self.graph.edges(data="kind") if k == "conditional"),
             "entry": sorted(self.entry),
         }
-
-
-def _trim(table: OrderedDict[str, Any], limit: int) -> None:
-    while len(table) > limit:
-        table.popitem(last=False)

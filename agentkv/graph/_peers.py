@@ -9,12 +9,12 @@ its own counts plus the latest export of every peer.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from agentkv._bounded import BoundedDict
 from agentkv.protocol import InvalidMetadata, validate_id
 
 __all__ = ["COUNTS_FORMAT", "COUNTS_VERSION", "PeerCounts", "PeerExport"]
@@ -112,11 +112,18 @@ class PeerCounts:
     def __init__(self, max_replicas: int = 32) -> None:
         if max_replicas < 1:
             raise ValueError("max_replicas must be >= 1")
-        self.max_replicas = max_replicas
-        self._latest: OrderedDict[str, PeerExport] = OrderedDict()
+        self._latest: BoundedDict[str, PeerExport] = BoundedDict(max_replicas)
         self.version = 0
         self._cache_key: tuple[int, tuple[str, ...]] | None = None
         self._cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def max_replicas(self) -> int:
+        return self._latest.cap
+
+    @max_replicas.setter
+    def max_replicas(self, cap: int) -> None:
+        self._latest.cap = cap
 
     def merge(self, export: PeerExport) -> bool:
         """Keep ``export`` if it is newer than what this peer sent before; False if not."""
@@ -124,9 +131,6 @@ class PeerCounts:
         if current is not None and current.epoch == export.epoch and export.sequence <= current.sequence:
             return False
         self._latest[export.replica] = export
-        self._latest.move_to_end(export.replica)
-        if len(self._latest) > self.max_replicas:
-            self._latest.popitem(last=False)
         self.version += 1
         return True
 

@@ -42,3 +42,14 @@ def test_mapping_api_and_edge_caps():
     assert len(zero) == 0 and zero.cap == 0
     with pytest.raises(ValueError):
         BoundedDict(-1)
+
+
+def test_a_lower_cap_forgets_the_least_recently_seen_keys_at_once():
+    d = BoundedDict[str, int](4)
+    for n, key in enumerate("abcd"):
+        d[key] = n
+    d.touch("a")
+    d.cap = 2
+    assert list(d) == ["d", "a"] and d.cap == 2
+    with pytest.raises(ValueError):
+        d.cap = -1
