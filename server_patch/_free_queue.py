@@ -95,8 +95,9 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         """``blocks`` form the front segment; add tail blocks with append_n."""
         super().__init__(blocks)
         self.enabled = True
-        # Called with each popped block that still holds a hash (an eviction).
-        self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        # Called once per pop with the popped blocks; those that still hold a hash are
+        # about to be evicted by the pool.
+        self.on_evict: Callable[[Sequence[KVCacheBlock]], None] | None = None
         self._group_of = group_of
         self._clock = clock
         self._decay = decay
@@ -201,11 +202,8 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         return ret
 
     def _report_evictions(self, popped: Sequence[KVCacheBlock]) -> None:
-        # Popped blocks that still hold a hash are about to be evicted by the pool.
-        if self.on_evict is not None:
-            for block in popped:
-                if block.block_hash is not None:
-                    self.on_evict(block)
+        if self.on_evict is not None and popped:
+            self.on_evict(popped)
 
     def remove(self, block: KVCacheBlock) -> None:
         super().remove(block)
@@ -229,15 +227,20 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         # One clock read per batch: a chain freed together shares t_free, so
         # seq alone orders it (child before parent, as vLLM frees in reverse).
         base = self._decay * self._clock()
+        group_of, groups, by_block = self._group_of, self._groups, self._group_by_block
+        key: K | None = None
+        group: _Group[K] | None = None
         for block in blocks:
-            key = self._group_of(block)
-            group = self._groups.get(key)
-            if group is None:
-                group = _Group(key, self._checked_score(key))
-                self._groups[key] = group
+            block_key = group_of(block)
+            if block_key is not key or group is None:  # a batch's blocks mostly share one (interned) key
+                key = block_key
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = _Group(key, self._checked_score(key))
             self._seq += 1
-            group.blocks[block.block_id] = (block, self._seq, base)
-            self._group_by_block[block.block_id] = group
+            block_id = block.block_id
+            group.blocks[block_id] = (block, self._seq, base)
+            by_block[block_id] = group
             if len(group.blocks) == 1:
                 self._push_head(group)
 
@@ -283,12 +286,13 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         blocks, score, by_block = group.blocks, group.score, self._group_by_block
         taken = 0
         while blocks and taken < limit:
-            block_id, (block, block_seq, base) = next(iter(blocks.items()))
-            if taken and (score + base, block_seq) > bound:
+            block_id, entry = blocks.popitem(last=False)
+            if taken and (score + entry[2], entry[1]) > bound:
+                blocks[block_id] = entry  # not this run's: back to the group's head
+                blocks.move_to_end(block_id, last=False)
                 break
-            blocks.popitem(last=False)
             del by_block[block_id]
-            out.append(block)
+            out.append(entry[0])
             taken += 1
         if blocks:
             heapq.heapreplace(heap, _head_entry(group))

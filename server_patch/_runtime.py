@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,7 +167,7 @@ class AgentKVRuntime:
         self.block_size = pool.hash_block_size
         if self.config.enabled:  # disabled: vLLM's own queue stays, so eviction is exactly LRU
             queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
-                pool, self._group_of, clock=self.clock, decay=self.config.decay
+                pool, self.tracker.group_of, clock=self.clock, decay=self.config.decay
             )
             queue.on_evict = self._on_evict
             self.queues.append(queue)
@@ -181,8 +181,8 @@ class AgentKVRuntime:
                                        num_full_blocks: int, *args: Any, **kwargs: Any) -> None:
             cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
             tag = self.tag_of(request)
-            new = ((i, blocks[i].block_id) for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null)
-            self.tracker.cached(new, tag, 0 if tag is None else self.anchors.length(tag.agent))
+            self.tracker.cached(blocks, num_cached_blocks, num_full_blocks, tag,
+                                0 if tag is None else self.anchors.length(tag.agent))
 
         get_computed_blocks = manager.get_computed_blocks
 
@@ -193,8 +193,7 @@ class AgentKVRuntime:
             if tag is not None and result[1] > 0:
                 anchor_blocks = self.anchors.length(tag.agent)
                 for group in result[0].blocks:
-                    hits = ((i, b.block_id) for i, b in enumerate(group) if not b.is_null)
-                    self.tracker.hit(hits, tag, anchor_blocks)
+                    self.tracker.hit(group, tag, anchor_blocks)
             return result
 
         record_prefix_cache_stats = manager.record_prefix_cache_stats
@@ -351,17 +350,17 @@ class AgentKVRuntime:
             return "lru"
         return "survival"
 
-    def _group_of(self, block: KVCacheBlock) -> Hashable:
-        return self.tracker.group_of(block.block_id, block.block_hash is not None)
-
     def _score_of(self, group: Group) -> float:
         """log(reuses per second) of a group; equal for all while the policy is LRU, -inf once retired."""
         return self._scorer(group)
 
-    def _on_evict(self, block: KVCacheBlock) -> None:
-        self.tracker.evicted(block.block_id, self.facts.is_ended)
-        if block.block_hash is not None:
-            self.warmups.evicted(get_block_hash(block.block_hash))
+    def _on_evict(self, popped: Sequence[KVCacheBlock]) -> None:
+        """Blocks the free queue handed out: those still holding a hash are being evicted."""
+        evicted = [block for block in popped if block.block_hash is not None]
+        self.tracker.evicted(evicted, self.facts.is_ended)
+        if self.warmups.holding:
+            for block in evicted:
+                self.warmups.evicted(get_block_hash(block.block_hash))
 
     # -- warm-ups and anchor residency -------------------------------------------------
 
@@ -398,9 +397,7 @@ class AgentKVRuntime:
         popleft, popleft_n = queue.popleft, queue.popleft_n
 
         def report(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-            for block in blocks:
-                if block.block_hash is not None:
-                    self._on_evict(block)
+            self._on_evict(blocks)
             return blocks
 
         queue.popleft = lambda: report([popleft()])[0]
