@@ -192,8 +192,9 @@ class SessionTiming:
 
     def sessions(self) -> list[tuple[str, str, float, float]]:
         """(session, current agent, last arrival, P(it ends here)) of every live session, oldest first."""
-        hazards = [self.end_hazard(n) for n in range(1, _MAX_LENGTH + 1)]
-        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH) - 1])
+        lengths = {min(state.dispatches, _MAX_LENGTH) for state in self._sessions.values()}
+        hazards = {n: self.end_hazard(n) for n in lengths}  # only the lengths live sessions have
+        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH)])
                 for s, state in self._sessions.items()]
 
     def last_seen(self, session: str) -> float | None:
