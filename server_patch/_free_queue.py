@@ -146,9 +146,12 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         else:
             self._score_of = scores
         changed = []
+        score_of = self._score_of
         for group in self._groups.values():
-            score = self._checked_score(group.key)
+            score = score_of(group.key)
             if score != group.score:
+                if score != score:  # NaN (unequal to every score, itself included)
+                    raise ValueError(f"group score of {group.key!r} is NaN")
                 group.score = score
                 changed.append(group)
         if 4 * len(changed) > len(self._groups):
