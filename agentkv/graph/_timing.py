@@ -193,7 +193,9 @@ class SessionTiming:
     def sessions(self) -> list[tuple[str, str, float, float]]:
         """(session, current agent, last arrival, P(it ends here)) of every live session, oldest first."""
         lengths = {min(state.dispatches, _MAX_LENGTH) for state in self._sessions.values()}
-        hazards = {n: self.end_hazard(n) for n in lengths}  # only the lengths live sessions have
+        # only the lengths live sessions have; all 0 until enough sessions ended (see end_hazard)
+        hazards = {n: self.end_hazard(n) for n in lengths} if self._lengths.sum() >= _MIN_ENDED \
+            else dict.fromkeys(lengths, 0.0)
         return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH)])
                 for s, state in self._sessions.items()]
 
