@@ -233,18 +233,22 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         group_of, groups, by_block = self._group_of, self._groups, self._group_by_block
         key: K | None = None
         group: _Group[K] | None = None
+        members: OrderedDict[int, tuple[KVCacheBlock, int, float]] = OrderedDict()
         for block in blocks:
             block_key = group_of(block)
+            new_head = False
             if block_key is not key or group is None:  # a batch's blocks mostly share one (interned) key
                 key = block_key
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = _Group(key, self._checked_score(key))
+                members = group.blocks
+                new_head = not members
             self._seq += 1
             block_id = block.block_id
-            group.blocks[block_id] = (block, self._seq, base)
+            members[block_id] = (block, self._seq, base)
             by_block[block_id] = group
-            if len(group.blocks) == 1:
+            if new_head:
                 self._push_head(group)
 
     def _detach(self, block: KVCacheBlock) -> None:

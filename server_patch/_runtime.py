@@ -51,6 +51,7 @@ __all__ = ["OTHER", "AgentKVRuntime", "RuntimeConfig"]
 logger = logging.getLogger("agentkv.server")
 
 _RETIRED = -math.inf
+_UNPARSED = object()  # tag_of's cache miss (a cached None means: parsed, untagged)
 PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
 _MAX_CACHED_TAGS = 65_536
 # Scores depend on how long sessions have been idle: re-evaluate at least this often (clock s).
@@ -215,8 +216,9 @@ class AgentKVRuntime:
     def tag_of(self, request: Request) -> AgentTag | None:
         """The request's agentkv tag (parsed once per request; malformed ones counted)."""
         request_id = request.request_id
-        if request_id in self._tags:
-            return self._tags[request_id]
+        known = self._tags.get(request_id, _UNPARSED)
+        if known is not _UNPARSED:
+            return known  # type: ignore[return-value]
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         result = parse_xargs(extra)
         self.malformed.record(result.errors)
@@ -356,11 +358,11 @@ class AgentKVRuntime:
 
     def _on_evict(self, popped: Sequence[KVCacheBlock]) -> None:
         """Blocks the free queue handed out: those still holding a hash are being evicted."""
-        evicted = [block for block in popped if block.block_hash is not None]
-        self.tracker.evicted(evicted, self.facts.is_ended)
+        self.tracker.evicted(popped, self.facts.is_ended)
         if self.warmups.holding:
-            for block in evicted:
-                self.warmups.evicted(get_block_hash(block.block_hash))
+            for block in popped:
+                if block.block_hash is not None:
+                    self.warmups.evicted(get_block_hash(block.block_hash))
 
     # -- warm-ups and anchor residency -------------------------------------------------
 

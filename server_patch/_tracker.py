@@ -112,21 +112,28 @@ class BlockTracker:
         return self._group.get(block.block_id, UNTAGGED)
 
     def evicted(self, blocks: Iterable[_Block], ended: Callable[[str], bool]) -> None:
-        """Count evictions by class; history of sessions ``ended`` says are over counts as ``retired``."""
+        """``blocks`` left the free queue: those still holding a hash are evicted. Counts them by
+        class; history of sessions ``ended`` says are over counts as ``retired``."""
         groups, evictions = self._group, self.evictions
         previous: Anchor | History | None = None
-        kind = "untagged"
+        kind, run = "untagged", 0
         for block in blocks:
+            if block.block_hash is None:
+                continue
             group = groups.pop(block.block_id, None)
             if group is not previous:  # runs of blocks share one (interned) group: classify once per run
-                previous = group
+                if run:
+                    evictions[kind] += run
+                previous, run = group, 0
                 if group is None:
                     kind = "untagged"
                 elif type(group) is History:
                     kind = "retired" if ended(group.session) else "history"
                 else:
                     kind = "anchor"
-            evictions[kind] += 1
+            run += 1
+        if run:
+            evictions[kind] += run
 
     def blocks_by_agent(self) -> dict[str, Counter[str]]:
         """Per agent, how many tracked blocks are anchors and how many history."""

@@ -202,5 +202,7 @@ def test_tracker_merges_and_classifies_runs_like_single_blocks():
     assert tracker.group_of(blocks[9]) is UNTAGGED and tracker.group_of(blocks[0]) == expected[0]
     tracker.cached(blocks, 8, 10, AgentTag("writer", "s3"), 0)  # 8-9: history of s3, which ended
     tracker.evicted([blocks[i] for i in (0, 8, 9, 1, 5)], lambda session: session == "s3")
-    tracker.evicted([KVCacheBlock(42)], lambda session: False)
+    untracked, hashless = KVCacheBlock(42), KVCacheBlock(43)
+    untracked.set_block_hash(b"u")  # type: ignore[arg-type]
+    tracker.evicted([untracked, hashless], lambda session: False)  # a block without a hash is not evicted
     assert tracker.evictions == {"anchor": 3, "retired": 2, "untagged": 1}
