@@ -2,8 +2,8 @@
 
 Installed by swapping ``BlockPool.free_block_queue`` (no fork): see
 ``ScoredFreeBlockQueue.replace``. Only the base queue's methods and
-``KVCacheBlock.block_id`` / ``block_hash`` / ``prev_free_block`` /
-``next_free_block`` are relied upon.
+``num_free_blocks`` and ``KVCacheBlock.block_id`` / ``block_hash`` /
+``prev_free_block`` / ``next_free_block`` are relied upon.
 """
 
 from __future__ import annotations
@@ -196,8 +196,12 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             if first.block_id in grouped:
                 start = len(ret)
                 self._pop_min_run(n - start, ret)
-                for block in ret[start:]:
-                    remove(block)
+                for block in ret[start:]:  # the base class's remove, inlined (grouped blocks are listed)
+                    before, after = block.prev_free_block, block.next_free_block
+                    before.next_free_block = after  # type: ignore[union-attr]
+                    after.prev_free_block = before  # type: ignore[union-attr]
+                    block.prev_free_block = block.next_free_block = None
+                self.num_free_blocks -= len(ret) - start
             else:
                 remove(first)
                 ret.append(first)
