@@ -9,6 +9,7 @@ Installed by swapping ``BlockPool.free_block_queue`` (no fork): see
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import OrderedDict
@@ -234,26 +235,24 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         # One clock read per batch: a chain freed together shares t_free, so
         # seq alone orders it (child before parent, as vLLM frees in reverse).
         base = self._decay * self._clock()
-        group_of, groups, by_block = self._group_of, self._groups, self._group_by_block
-        key: K | None = None
-        group: _Group[K] | None = None
-        members: OrderedDict[int, tuple[KVCacheBlock, int, float]] = OrderedDict()
-        for block in blocks:
-            block_key = group_of(block)
-            new_head = False
-            if block_key is not key or group is None:  # a batch's blocks mostly share one (interned) key
-                key = block_key
+        groups, by_block = self._groups, self._group_by_block
+        seq = self._seq
+        try:
+            for key, run in itertools.groupby(blocks, self._group_of):  # a batch's blocks mostly share a group
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = _Group(key, self._checked_score(key))
                 members = group.blocks
                 new_head = not members
-            self._seq += 1
-            block_id = block.block_id
-            members[block_id] = (block, self._seq, base)
-            by_block[block_id] = group
-            if new_head:
-                self._push_head(group)
+                for block in run:
+                    seq += 1
+                    block_id = block.block_id
+                    members[block_id] = (block, seq, base)
+                    by_block[block_id] = group
+                if new_head:
+                    self._push_head(group)
+        finally:
+            self._seq = seq
 
     def _detach(self, block: KVCacheBlock) -> None:
         """Drop a block that just left the list from its group (if any)."""
