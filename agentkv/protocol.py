@@ -70,6 +70,8 @@ MERGE_PATH: Final = "/agentkv/v1/merge"
 
 MAX_ID_LENGTH: Final = 128
 _ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
+_VALID_IDS: set[str] = set()  # ids that passed validate_id: each request repeats its agents' (bounded)
+_MAX_VALID_IDS: Final = 65_536
 _MAX_STEP: Final = 2**63 - 1
 _OWS: Final = " \t"  # HTTP's optional whitespace around a header value
 
@@ -90,12 +92,16 @@ class InvalidMetadata(ProtocolError):
 
 def validate_id(value: str, field: str) -> str:
     """Return ``value`` if it is a valid agent or session id, else raise InvalidMetadata."""
+    if type(value) is str and value in _VALID_IDS:
+        return value
     if not isinstance(value, str):
         raise InvalidMetadata(field, f"must be a string, got {type(value).__name__}")
     if len(value) > MAX_ID_LENGTH:
         raise InvalidMetadata(field, f"longer than {MAX_ID_LENGTH} characters")
     if not _ID_PATTERN.fullmatch(value):
         raise InvalidMetadata(field, "must be 1-128 characters of [A-Za-z0-9._:@/-]")
+    if len(_VALID_IDS) < _MAX_VALID_IDS:
+        _VALID_IDS.add(value)
     return value
 
 

@@ -2,13 +2,14 @@
 
 Installed by swapping ``BlockPool.free_block_queue`` (no fork): see
 ``ScoredFreeBlockQueue.replace``. Only the base queue's methods and
-``KVCacheBlock.block_id`` / ``block_hash`` / ``prev_free_block`` /
-``next_free_block`` are relied upon.
+``num_free_blocks`` and ``KVCacheBlock.block_id`` / ``block_hash`` /
+``prev_free_block`` / ``next_free_block`` are relied upon.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import OrderedDict
@@ -95,8 +96,9 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         """``blocks`` form the front segment; add tail blocks with append_n."""
         super().__init__(blocks)
         self.enabled = True
-        # Called with each popped block that still holds a hash (an eviction).
-        self.on_evict: Callable[[KVCacheBlock], None] | None = None
+        # Called once per pop with the popped blocks; those that still hold a hash are
+        # about to be evicted by the pool.
+        self.on_evict: Callable[[Sequence[KVCacheBlock]], None] | None = None
         self._group_of = group_of
         self._clock = clock
         self._decay = decay
@@ -145,9 +147,12 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         else:
             self._score_of = scores
         changed = []
+        score_of = self._score_of
         for group in self._groups.values():
-            score = self._checked_score(group.key)
+            score = score_of(group.key)
             if score != group.score:
+                if score != score:  # NaN (unequal to every score, itself included)
+                    raise ValueError(f"group score of {group.key!r} is NaN")
                 group.score = score
                 changed.append(group)
         if 4 * len(changed) > len(self._groups):
@@ -192,8 +197,12 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             if first.block_id in grouped:
                 start = len(ret)
                 self._pop_min_run(n - start, ret)
-                for block in ret[start:]:
-                    remove(block)
+                for block in ret[start:]:  # the base class's remove, inlined (grouped blocks are listed)
+                    before, after = block.prev_free_block, block.next_free_block
+                    before.next_free_block = after  # type: ignore[union-attr]
+                    after.prev_free_block = before  # type: ignore[union-attr]
+                    block.prev_free_block = block.next_free_block = None
+                self.num_free_blocks -= len(ret) - start
             else:
                 remove(first)
                 ret.append(first)
@@ -201,11 +210,8 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         return ret
 
     def _report_evictions(self, popped: Sequence[KVCacheBlock]) -> None:
-        # Popped blocks that still hold a hash are about to be evicted by the pool.
-        if self.on_evict is not None:
-            for block in popped:
-                if block.block_hash is not None:
-                    self.on_evict(block)
+        if self.on_evict is not None and popped:
+            self.on_evict(popped)
 
     def remove(self, block: KVCacheBlock) -> None:
         super().remove(block)
@@ -229,17 +235,24 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         # One clock read per batch: a chain freed together shares t_free, so
         # seq alone orders it (child before parent, as vLLM frees in reverse).
         base = self._decay * self._clock()
-        for block in blocks:
-            key = self._group_of(block)
-            group = self._groups.get(key)
-            if group is None:
-                group = _Group(key, self._checked_score(key))
-                self._groups[key] = group
-            self._seq += 1
-            group.blocks[block.block_id] = (block, self._seq, base)
-            self._group_by_block[block.block_id] = group
-            if len(group.blocks) == 1:
-                self._push_head(group)
+        groups, by_block = self._groups, self._group_by_block
+        seq = self._seq
+        try:
+            for key, run in itertools.groupby(blocks, self._group_of):  # a batch's blocks mostly share a group
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = _Group(key, self._checked_score(key))
+                members = group.blocks
+                new_head = not members
+                for block in run:
+                    seq += 1
+                    block_id = block.block_id
+                    members[block_id] = (block, seq, base)
+                    by_block[block_id] = group
+                if new_head:
+                    self._push_head(group)
+        finally:
+            self._seq = seq
 
     def _detach(self, block: KVCacheBlock) -> None:
         """Drop a block that just left the list from its group (if any)."""
@@ -283,12 +296,13 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         blocks, score, by_block = group.blocks, group.score, self._group_by_block
         taken = 0
         while blocks and taken < limit:
-            block_id, (block, block_seq, base) = next(iter(blocks.items()))
-            if taken and (score + base, block_seq) > bound:
+            block_id, entry = blocks.popitem(last=False)
+            if taken and (score + entry[2], entry[1]) > bound:
+                blocks[block_id] = entry  # not this run's: back to the group's head
+                blocks.move_to_end(block_id, last=False)
                 break
-            blocks.popitem(last=False)
             del by_block[block_id]
-            out.append(block)
+            out.append(entry[0])
             taken += 1
         if blocks:
             heapq.heapreplace(heap, _head_entry(group))

@@ -23,6 +23,12 @@ prompt token ids.
   request's chunks it starts with; otherwise it opens a new session. The parent is the
   session's previous recognized agent.
 
+* **Tagged requests** teach the tree (shape, counts, their agent's name on its anchor block)
+  lazily: their leading blocks wait among the latest ``pending_tagged`` and enter the tree, in
+  arrival order, just before the next untagged request is recognized. The tree is the one
+  eager learning builds, except that of more than ``pending_tagged`` tagged requests in a row
+  only the latest count; a server whose clients all send tags never builds a tree.
+
 Bounded: the tree keeps at most ``max_nodes`` nodes and ``max_depth`` blocks per request,
 the session table ``max_sessions`` sessions, the head index one entry per session, each
 evicting its least recently used entries; at most ``max_history_tokens`` tokens of a
@@ -61,12 +67,13 @@ class RecognizeConfig:
     resplit_every: int = 32  # requests between recomputations of the preamble
     halve_every: int = 20_000  # requests between halvings of the tree's counts (recency)
     recent: int = 2048  # recognitions kept for inspection (``op: recognized``)
+    pending_tagged: int = 256  # tagged requests kept until an untagged one needs the tree
 
     def __post_init__(self) -> None:
         if self.chunk < 2 or self.chunk & (self.chunk - 1):
             raise ValueError("chunk must be a power of two >= 2")
         if min(self.max_nodes, self.max_depth, self.max_sessions, self.min_count, self.resplit_every,
-               self.halve_every, self.recent) < 1 or not 0.0 <= self.min_share < 1.0:
+               self.halve_every, self.recent, self.pending_tagged) < 1 or not 0.0 <= self.min_share < 1.0:
             raise ValueError("caps and counts must be >= 1 and 0 <= min_share < 1")
 
 
@@ -137,8 +144,9 @@ class Recognizer:
     """Online agent and session recognition for untagged requests.
 
     Invariants: ``len(nodes) <= max_nodes``, ``len(sessions) <= max_sessions``,
-    ``len(heads) <= len(sessions)``; every node in ``nodes`` hangs below the root or below a
-    node that was evicted (then it is never walked from the root again and ages out). The
+    ``len(heads) <= len(sessions)``, ``len(_pending) <= pending_tagged``; every node in
+    ``nodes`` hangs below the root or below a node that was evicted (then it is never walked
+    from the root again and ages out). The
     preamble split node ``_split`` is recomputed every ``resplit_every`` requests.
     """
 
@@ -150,6 +158,9 @@ class Recognizer:
         self.heads: dict[int, str] = {}
         # (request id, agent, session, prompt tokens) of the latest requests, for inspection
         self.recent: deque[tuple[str, str | None, str | None, int]] = deque(maxlen=self.config.recent)
+        # (agent, leading block hashes, their tokens, block size) of tagged requests not yet in the tree
+        self._pending: deque[tuple[str, Sequence[Hashable], Sequence[int], int]] = deque(
+            maxlen=self.config.pending_tagged)
         self._split: _Node = self.root
         self._seen = 0
         self._session_ids = 0
@@ -263,15 +274,24 @@ class Recognizer:
 
     def observe_tagged(self, agent: str, block_hashes: Sequence[Hashable], tokens: Sequence[int],
                        block_size: int) -> None:
-        """A tagged request: it shapes the tree and names its anchor block after its agent."""
-        path = self._insert(block_hashes, tokens, block_size)
-        identity = self._identity(path)
-        if identity is not None:
-            identity.name = agent
+        """A tagged request: it will shape the tree and name its anchor block after its agent
+        (once an untagged request needs the tree; only its leading blocks are kept until then)."""
+        depth = self.config.max_depth
+        self._pending.append((agent, block_hashes[:depth], tokens[: depth * block_size], block_size))
+
+    def _learn_tagged(self) -> None:
+        """Enter the pending tagged requests in the tree, oldest first."""
+        pending = self._pending
+        while pending:
+            agent, block_hashes, tokens, block_size = pending.popleft()
+            identity = self._identity(self._insert(block_hashes, tokens, block_size))
+            if identity is not None:
+                identity.name = agent
 
     def recognize(self, request_id: str, block_hashes: Sequence[Hashable], tokens: Sequence[int],
                   block_size: int, session_id: str | None = None) -> Recognition:
         """Recognize one untagged request (call once per request, in arrival order)."""
+        self._learn_tagged()
         path = self._insert(block_hashes, tokens, block_size)
         identity = self._identity(path)
         if identity is None:

@@ -5,14 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
-import socket
 import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
@@ -21,107 +18,42 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import (
-    FactsFull,
     GapTable,
     GraphFacts,
     Group,
     History,
-    LearnerConfig,
-    PeerExport,
     Predictor,
-    ReuseConfig,
     ReuseTable,
     SessionTiming,
     TransitionLearner,
     first_passage_steps,
     restore_or_fresh,
-    save_snapshot,
     score_reuse,
 )
-from agentkv.protocol import (
-    PROTOCOL_VERSION,
-    AgentTag,
-    MalformedCounter,
-    ProtocolError,
-    parse_xargs,
-    validate_events,
-    validate_id,
-)
+from agentkv.protocol import AgentTag, MalformedCounter, ProtocolError, parse_xargs
 
-from ._free_queue import DEFAULT_DECAY, ScoredFreeBlockQueue
+from ._config import RuntimeConfig
+from ._free_queue import ScoredFreeBlockQueue
 from ._recognize import Recognizer
-from ._rows import OTHER, agent_rows, tracked
+from ._rows import OTHER, tracked
+from ._runtime_control import PEER_WEIGHT_FLOOR, STATS_MAX_AGE, RuntimeControl
 from ._tracker import AnchorLengths, BlockTracker
 from ._warmups import WarmupLedger
 
-__all__ = ["OTHER", "AgentKVRuntime", "RuntimeConfig"]
+__all__ = ["OTHER", "PEER_WEIGHT_FLOOR", "STATS_MAX_AGE", "AgentKVRuntime", "RuntimeConfig"]
 
 logger = logging.getLogger("agentkv.server")
 
 _RETIRED = -math.inf
-PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
+_UNPARSED = object()  # tag_of's cache miss (a cached None means: parsed, untagged)
 _MAX_CACHED_TAGS = 65_536
 # Scores depend on how long sessions have been idle: re-evaluate at least this often (clock s).
 _RESCORE_INTERVAL = 0.25
 # The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
 _REBUILD_INTERVAL = 2.0
-# A stats document is served again for this long (wall seconds): the engine builds at most a few
-# per second however often clients poll stats or /metrics, so polling cannot stall scheduling.
-STATS_MAX_AGE = 0.25
 
 
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Server-side settings, read from AGENTKV_* environment variables (docs/server.md)."""
-
-    enabled: bool = True
-    reuse: ReuseConfig = field(default_factory=ReuseConfig)
-    learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(half_life=5000, session_ttl=600))
-    decay: float = DEFAULT_DECAY
-    recognize: bool = True  # recognize agents and sessions of untagged requests
-    refresh_interval: float = 0.0  # least clock time between two evaluations of the next-use model
-    snapshot_path: str | None = None
-    snapshot_interval: float = 30.0  # seconds between periodic saves (0: only at shutdown)
-    listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER
-    tracked_agents: int = 1024  # per-agent counters kept; later agents are counted as OTHER
-    max_peers: int = 32
-    peer_weight: float = 4.0  # a peer's counts weigh at most this multiple of the local evidence
-    replica: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> RuntimeConfig:
-        defaults = cls()
-        horizon = env.get("AGENTKV_HORIZON")
-        reuse = ReuseConfig(
-            r_min=_env_float(env, "AGENTKV_R_MIN", defaults.reuse.r_min),
-            steps=None if not horizon else int(_env_float(env, "AGENTKV_HORIZON", 0)),
-        )
-        return cls(
-            enabled=env.get("AGENTKV_ENABLED", "1") != "0",
-            reuse=reuse,
-            decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
-            recognize=env.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off"),
-            refresh_interval=_env_float(env, "AGENTKV_REFRESH_INTERVAL", defaults.refresh_interval),
-            snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
-            snapshot_interval=_env_float(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),
-            listed_agents=int(_env_float(env, "AGENTKV_STATS_TOP_AGENTS", defaults.listed_agents)),
-            max_peers=int(_env_float(env, "AGENTKV_MAX_PEERS", defaults.max_peers)),
-            peer_weight=_env_float(env, "AGENTKV_PEER_WEIGHT", defaults.peer_weight),
-            replica=env.get("AGENTKV_REPLICA") or defaults.replica,
-        )
-
-
-class AgentKVRuntime:
+class AgentKVRuntime(RuntimeControl):
     """Agent-aware eviction for one KVCacheManager.
 
     Invariants: every scheduler entry point and every control request runs under
@@ -176,7 +108,7 @@ class AgentKVRuntime:
         self.block_size = pool.hash_block_size
         if self.config.enabled:  # disabled: vLLM's own queue stays, so eviction is exactly LRU
             queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
-                pool, self._group_of, clock=self.clock, decay=self.config.decay
+                pool, self.tracker.group_of, clock=self.clock, decay=self.config.decay
             )
             queue.on_evict = self._on_evict
             self.queues.append(queue)
@@ -190,8 +122,8 @@ class AgentKVRuntime:
                                        num_full_blocks: int, *args: Any, **kwargs: Any) -> None:
             cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
             tag = self.tag_of(request)
-            new = ((i, blocks[i].block_id) for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null)
-            self.tracker.cached(new, tag, 0 if tag is None else self.anchors.length(tag.agent))
+            self.tracker.cached(blocks, num_cached_blocks, num_full_blocks, tag,
+                                0 if tag is None else self.anchors.length(tag.agent))
 
         get_computed_blocks = manager.get_computed_blocks
 
@@ -202,8 +134,7 @@ class AgentKVRuntime:
             if tag is not None and result[1] > 0:
                 anchor_blocks = self.anchors.length(tag.agent)
                 for group in result[0].blocks:
-                    hits = ((i, b.block_id) for i, b in enumerate(group) if not b.is_null)
-                    self.tracker.hit(hits, tag, anchor_blocks)
+                    self.tracker.hit(group, tag, anchor_blocks)
             return result
 
         record_prefix_cache_stats = manager.record_prefix_cache_stats
@@ -225,8 +156,9 @@ class AgentKVRuntime:
     def tag_of(self, request: Request) -> AgentTag | None:
         """The request's agentkv tag (parsed once per request; malformed ones counted)."""
         request_id = request.request_id
-        if request_id in self._tags:
-            return self._tags[request_id]
+        known = self._tags.get(request_id, _UNPARSED)
+        if known is not _UNPARSED:
+            return known  # type: ignore[return-value]
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         result = parse_xargs(extra)
         self.malformed.record(result.errors)
@@ -360,17 +292,17 @@ class AgentKVRuntime:
             return "lru"
         return "survival"
 
-    def _group_of(self, block: KVCacheBlock) -> Hashable:
-        return self.tracker.group_of(block.block_id, block.block_hash is not None)
-
     def _score_of(self, group: Group) -> float:
         """log(reuses per second) of a group; equal for all while the policy is LRU, -inf once retired."""
         return self._scorer(group)
 
-    def _on_evict(self, block: KVCacheBlock) -> None:
-        self.tracker.evicted(block.block_id, self.facts.is_ended)
-        if block.block_hash is not None:
-            self.warmups.evicted(get_block_hash(block.block_hash))
+    def _on_evict(self, popped: Sequence[KVCacheBlock]) -> None:
+        """Blocks the free queue handed out: those still holding a hash are being evicted."""
+        self.tracker.evicted(popped, self.facts.is_ended)
+        if self.warmups.holding:
+            for block in popped:
+                if block.block_hash is not None:
+                    self.warmups.evicted(get_block_hash(block.block_hash))
 
     # -- warm-ups and anchor residency -------------------------------------------------
 
@@ -407,166 +339,11 @@ class AgentKVRuntime:
         popleft, popleft_n = queue.popleft, queue.popleft_n
 
         def report(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-            for block in blocks:
-                if block.block_hash is not None:
-                    self._on_evict(block)
+            self._on_evict(blocks)
             return blocks
 
         queue.popleft = lambda: report([popleft()])[0]
         queue.popleft_n = lambda n: report(popleft_n(n))
-
-    # -- control channel -----------------------------------------------------------
-
-    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Serve one control request from the API server (runs in the control thread)."""
-        with self.lock:
-            op = request.get("op")
-            if op == "stats":
-                return self.stats()
-            if op == "events":
-                return self.apply_events(request.get("payload"))
-            if op == "state":
-                return self.learner.export_counts(self.config.replica, self.epoch).to_json()
-            if op == "merge":
-                return self.merge(request.get("payload"))
-            if op == "recognized":
-                recent = [] if self.recognizer is None else list(self.recognizer.recent)
-                return {"recognized": [list(r) for r in recent]}
-            if op == "save":
-                return {"saved": self.save_if_changed()}
-            if op == "answered":
-                return self.answered(request.get("session"), request.get("tool_call"))
-            return {"error": f"unknown control op {op!r}"}
-
-    def answered(self, session: object, tool_call: object) -> dict[str, Any]:
-        """A tagged request of ``session`` finished; its answer was a tool call or not (read by
-        the middleware from the response), so the model knows whether the same agent comes back."""
-        if not isinstance(session, str) or type(tool_call) is not bool:
-            return {"error": "answered takes a session id and a boolean tool_call", "status": 400}
-        try:
-            validate_id(session, "session")
-        except ProtocolError as exc:
-            return {"error": str(exc), "status": 400}
-        self.timing.answered(session, tool_call)
-        self.answers["tool_call" if tool_call else "no_tool_call"] += 1
-        return {"answered": True}
-
-    def merge(self, payload: object) -> dict[str, Any]:
-        """Merge another replica's exported counts (docs/protocol.md §2.3)."""
-        try:
-            export = PeerExport.from_json(payload, max_agents=self.config.learner.max_agents)
-        except ValueError as exc:
-            return {"error": f"merge refused: {exc}", "status": 400}
-        if export.total_weight() > self._max_peer_weight():
-            return {"error": f"merge refused: counts total {export.total_weight():.3g}, more than a replica "
-                             f"can learn ({self._max_peer_weight():.3g})", "status": 400}
-        if export.replica == self.config.replica and export.epoch == self.epoch:
-            return {"merged": False, "reason": "own export"}
-        return {"merged": self.learner.merge_peer(self._bounded_influence(export))}
-
-    def apply_events(self, payload: object) -> dict[str, Any]:
-        try:
-            events = validate_events(payload)
-        except ProtocolError as exc:
-            return {"error": str(exc), "status": 400}
-        accepted = duplicates = 0
-        for event in events:
-            try:
-                applied = self.facts.apply(event)
-            except FactsFull as exc:
-                return {"error": f"{exc} (cap, docs/server.md); {accepted} earlier events applied",
-                        "status": 400, "accepted": accepted, "duplicates": duplicates}
-            if applied:
-                accepted += 1
-                if event["type"] in ("session_end", "cancel"):
-                    self.learner.end_session(event["session"])
-                    self.timing.end(event["session"])
-            else:
-                duplicates += 1
-        return {"accepted": accepted, "duplicates": duplicates}
-
-    def stats(self, max_age: float = STATS_MAX_AGE) -> dict[str, Any]:
-        """The stats document (docs/protocol.md); at most ``max_age`` seconds old, and never older
-        than the last graph fact or session event."""
-        now = time.monotonic()
-        cached = self._stats_cache
-        if cached is not None and now - cached[0] < max_age and cached[1] == self.facts.version:
-            return cached[2]
-        document = self._build_stats()
-        self._stats_cache = (now, self.facts.version, document)
-        return document
-
-    def _build_stats(self) -> dict[str, Any]:
-        table = self.table
-        blocks = self.tracker.blocks_by_agent()
-        chain = self.predictor.chain()
-        transitions = {
-            a: {b: round(float(p), 4) for b, p in zip(chain.agents, chain.matrix[i], strict=True) if p >= 0.05}
-            for i, a in enumerate(chain.agents)
-        }
-        return {
-            "version": PROTOCOL_VERSION,
-            "enabled": self.config.enabled,
-            "policy": self.policy,
-            "block_size": self.block_size,
-            "predictability": self.learner.predictability(),
-            "top1_accuracy": self.learner.accuracy,
-            "dispatches": self.learner.dispatches,
-            "tagged_requests": self.tagged_requests,
-            "recognition": None if self.recognizer is None else self.recognizer.stats(),
-            "sessions": self._session_stats(),
-            "agents": self._agent_stats(blocks, table),
-            "kv_free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
-            "warmups": self.warmups.stats(),
-            "answers": dict(self.answers),  # tagged answers read by the middleware: tool call or not
-            "transitions": transitions,
-            "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},
-            "learner": {
-                "bytes": self.learner.state_bytes(),
-                "agents": len(self.learner.agents),
-                "replica": self.config.replica,
-                "peers": self.learner.peers.replicas(),
-            },
-            "facts": self.facts.export(),
-            "malformed_metadata": dict(self.malformed.by_field),
-            "config": {
-                "horizon_steps": table.steps if table is not None else None,
-                "horizon_s": round(table.horizon_s, 3) if table is not None else None,
-                "r_min": self.config.reuse.r_min,
-                "decay": self.config.decay,
-            },
-        }
-
-    def save(self) -> None:
-        if self.config.snapshot_path:
-            with self.lock:
-                save_snapshot(self.config.snapshot_path, self.learner, self.facts)
-                self._saved_version = (self.learner.version, self.facts.version)
-
-    # -- bounds (docs/server.md, "Limits") ------------------------------------------
-
-    def save_if_changed(self) -> bool:
-        """Save the snapshot unless nothing learned changed since the last save; True if written."""
-        with self.lock:
-            if not self.config.snapshot_path or self._saved_version == (self.learner.version, self.facts.version):
-                return False
-            self.save()
-            return True
-
-    def _max_peer_weight(self) -> float:
-        """Three times the most a decayed learner can hold per part (transitions, entries, ends), doubled."""
-        half_life = self.config.learner.half_life
-        if half_life is None:
-            return 1e12
-        return 6.0 / (1.0 - 2.0 ** (-1.0 / half_life))
-
-    def _bounded_influence(self, export: PeerExport) -> PeerExport:
-        """Scale a peer's counts down to at most ``peer_weight`` x this replica's own evidence
-        (at least ``peer_weight`` x PEER_WEIGHT_FLOOR): a peer can inform, never drown, the local model."""
-        own = self.learner.export_counts(self.config.replica, self.epoch).total_weight()
-        cap = self.config.peer_weight * max(own, PEER_WEIGHT_FLOOR)
-        total = export.total_weight()
-        return export.scaled(cap / total) if total > cap else export
 
     def _tracked(self, counter: Counter[str], agent: str) -> str:
         return tracked(counter, agent, self.config.tracked_agents)
@@ -575,14 +352,3 @@ class AgentKVRuntime:
         key = self._tracked(self.queries, agent)
         self.queries[key] += tokens
         self.hits[key] += hits
-
-    def _session_stats(self) -> dict[str, Any]:
-        live = self.learner.session_agents()
-        recent = list(live.items())[-self.config.listed_agents :]  # the most recently active ones
-        return {"active": len(live), "ended": len(self.facts.ended), "current": dict(recent)}
-
-    def _agent_stats(self, blocks: Mapping[str, Counter[str]], table: ReuseTable | None) -> dict[str, Any]:
-        names = set(self.queries) | set(blocks) | set(self.learner.agents)
-        survival = (lambda a: 1.0) if table is None else table.survival
-        return agent_rows(names, self.queries, self.hits, blocks, survival, self.anchors.length,
-                          lambda agent: self.anchor_residency(agent)[0], self.config.listed_agents)

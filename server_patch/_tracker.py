@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from agentkv.graph import UNTAGGED, Anchor, Group, History
 from agentkv.protocol import AgentTag
@@ -12,6 +13,19 @@ __all__ = ["AnchorLengths", "BlockTracker", "merge_group"]
 
 _MAX_AGENTS_PER_BLOCK = 16
 _MAX_INTERNED = 100_000
+
+
+class _Block(Protocol):
+    """What the tracker reads of a vLLM ``KVCacheBlock``."""
+
+    @property
+    def block_id(self) -> int: ...
+
+    @property
+    def block_hash(self) -> object: ...
+
+    @property
+    def is_null(self) -> bool: ...
 
 
 def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) -> Anchor | History:
@@ -59,34 +73,67 @@ class BlockTracker:
             merged = self._interned[key] = merge_group(group, tag, in_anchor)
         return merged
 
-    def cached(self, blocks: Iterable[tuple[int, int]], tag: AgentTag | None, anchor_blocks: int) -> None:
-        """Newly cached (position, block_id) pairs of one request."""
+    def cached(self, blocks: Sequence[_Block], start: int, end: int, tag: AgentTag | None,
+               anchor_blocks: int) -> None:
+        """A request's ``blocks[start:end]`` were newly cached (at those positions of its prompt)."""
+        groups = self._group
         if tag is None:
-            for _, block_id in blocks:
-                self._group.pop(block_id, None)
+            for position in range(start, end):
+                groups.pop(blocks[position].block_id, None)
             return
-        for position, block_id in blocks:
-            self._group[block_id] = self._merge(None, tag, position < anchor_blocks)
+        # a new block's group depends only on whether it lies in the anchor: two groups per request
+        anchor, history = self._merge(None, tag, True), self._merge(None, tag, False)
+        for position in range(start, end):
+            block = blocks[position]
+            if not block.is_null:
+                groups[block.block_id] = anchor if position < anchor_blocks else history
 
-    def hit(self, blocks: Iterable[tuple[int, int]], tag: AgentTag, anchor_blocks: int) -> None:
-        """(position, block_id) pairs a request found in the prefix cache."""
-        for position, block_id in blocks:
-            self._group[block_id] = self._merge(self._group.get(block_id), tag, position < anchor_blocks)
+    def hit(self, blocks: Iterable[_Block], tag: AgentTag, anchor_blocks: int) -> None:
+        """A request found ``blocks`` (its prompt's leading blocks, in order) in the prefix cache."""
+        groups = self._group
+        previous: Anchor | History | None = None
+        in_anchor = True
+        merged: Anchor | History | None = None
+        for position, block in enumerate(blocks):
+            if block.is_null:
+                continue
+            group = groups.get(block.block_id)
+            inside = position < anchor_blocks
+            # runs of blocks share one (interned) group: merge once per run
+            if merged is None or group is not previous or inside is not in_anchor:
+                previous, in_anchor = group, inside
+                merged = self._merge(group, tag, inside)
+            groups[block.block_id] = merged
 
-    def group_of(self, block_id: int, has_hash: bool) -> Group:
-        group = self._group.get(block_id) if has_hash else None
-        return UNTAGGED if group is None else group
+    def group_of(self, block: _Block) -> Group:
+        """The eviction group of a block: untagged unless tracked and still holding a hash."""
+        if block.block_hash is None:
+            return UNTAGGED
+        return self._group.get(block.block_id, UNTAGGED)
 
-    def evicted(self, block_id: int, ended: Callable[[str], bool]) -> None:
-        """Count an eviction by class; history of sessions ``ended`` says are over counts as ``retired``."""
-        group = self._group.pop(block_id, None)
-        if group is None:
-            kind = "untagged"
-        elif type(group) is History:
-            kind = "retired" if ended(group.session) else "history"
-        else:
-            kind = "anchor"
-        self.evictions[kind] += 1
+    def evicted(self, blocks: Iterable[_Block], ended: Callable[[str], bool]) -> None:
+        """``blocks`` left the free queue: those still holding a hash are evicted. Counts them by
+        class; history of sessions ``ended`` says are over counts as ``retired``."""
+        groups, evictions = self._group, self.evictions
+        previous: Anchor | History | None = None
+        kind, run = "untagged", 0
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            group = groups.pop(block.block_id, None)
+            if group is not previous:  # runs of blocks share one (interned) group: classify once per run
+                if run:
+                    evictions[kind] += run
+                previous, run = group, 0
+                if group is None:
+                    kind = "untagged"
+                elif type(group) is History:
+                    kind = "retired" if ended(group.session) else "history"
+                else:
+                    kind = "anchor"
+            run += 1
+        if run:
+            evictions[kind] += run
 
     def blocks_by_agent(self) -> dict[str, Counter[str]]:
         """Per agent, how many tracked blocks are anchors and how many history."""

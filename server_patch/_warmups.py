@@ -64,6 +64,11 @@ class WarmupLedger:
         hit = hit_blocks >= n and tuple(block_hashes[:n]) == warmed.hashes
         self._resolve(agent, None if hit else "missed")
 
+    @property
+    def holding(self) -> bool:
+        """True while a pending warm-up holds blocks (only then do evictions need their hashes)."""
+        return bool(self._holders)
+
     def evicted(self, block_hash: Hashable) -> None:
         """A cached block was evicted: a pending warm-up holding it was wasted."""
         agents = self._holders.get(block_hash)
@@ -72,6 +77,8 @@ class WarmupLedger:
                 self._resolve(agent, "evicted")
 
     def expire(self) -> None:
+        if not self._pending:
+            return
         now = self.clock()
         for agent in [a for a, w in self._pending.items() if now - w.at > self.window]:
             self._resolve(agent, "expired")

@@ -282,7 +282,8 @@ class TransitionLearner:
         )
 
     def _merged(self, part: int) -> np.ndarray:
-        own = self._own()[part]
+        n = len(self._names)  # only the part asked for (``_own`` divides all four)
+        own = (self._counts[:n, :n], self._entry[:n], self._ends[:n], self._interposed[:n])[part] / self._weight
         return own + self.peers.aligned(self._names)[part] if self.peers.version else own
 
     def counts(self) -> np.ndarray:

@@ -165,7 +165,7 @@ class ReuseTable:
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
         session_logs: list[list[float]] = _quantized(np.log(self.session_rate + _FLOOR)).tolist()
-        untagged = self._untagged_score()
+        untagged: list[float] = []  # computed on the first untagged group (a median is costly)
         columns: dict[frozenset[str], tuple[int, ...]] = {}
 
         def columns_of(agents: frozenset[str]) -> tuple[int, ...]:
@@ -193,7 +193,9 @@ class ReuseTable:
                 if len(found) == 1:
                     return anchor_logs[found[0]]
                 return math.floor(math.log(sum(anchor_rates[i] for i in found) + _FLOOR) * _STEPS) / _STEPS
-            return untagged
+            if not untagged:
+                untagged.append(self._untagged_score())
+            return untagged[0]
 
         return score
 

@@ -244,8 +244,11 @@ class SessionTiming:
     def sessions(self) -> list[tuple[str, str, float, float, float | None]]:
         """(session, current agent, last arrival, P(it ends here), P(its dispatch goes on) given
         what its last answer was (None: not told)) of every live session, oldest first."""
-        hazards = [self.end_hazard(n) for n in range(1, _MAX_LENGTH + 1)]
-        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH) - 1],
+        lengths = {min(state.dispatches, _MAX_LENGTH) for state in self._sessions.values()}
+        # only the lengths live sessions have; all 0 until enough sessions ended (see end_hazard)
+        hazards = {n: self.end_hazard(n) for n in lengths} if self._lengths.sum() >= _MIN_ENDED \
+            else dict.fromkeys(lengths, 0.0)
+        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH)],
                  None if state.tool_call is None else self.continuation_after(state.agent, state.tool_call))
                 for s, state in self._sessions.items()]
 

@@ -439,3 +439,23 @@ def test_toggle_keeps_structures(enabled: bool) -> None:
     order = [b.block_id for b in manager.block_pool.get_new_blocks(len(rest))]
     assert order == sorted(rest, key=lambda b: (scores[b % 2], ids.index(b)))
     assert order != rest and not queue._groups
+
+
+def test_nan_score_is_refused_and_evictions_are_reported_once_per_pop() -> None:
+    manager = make_manager(9)
+    clock, tags = Clock(), Tags()
+    queue = install(manager, tags, clock)
+    reports: list[list[int]] = []
+    queue.on_evict = lambda blocks: reports.append([b.block_id for b in blocks])
+    for rid, start in (("a", 0), ("b", 1000)):
+        req = make_request(rid, toks(start, 3))
+        result = allocate(manager, req)
+        assert result is not None
+        tags.tag(result[0], rid)
+        manager.free(req)
+    with pytest.raises(ValueError, match="NaN"):
+        queue.set_group_scores({"a": math.nan})
+    queue.set_group_scores({"a": 1.0, "b": 0.0})
+    assert reports == [[1, 2, 3], [4, 5, 6]]  # the allocations' pops
+    assert [b.block_id for b in queue.popleft_n(5)] == [7, 8, 6, 5, 4]
+    assert reports[2:] == [[7, 8, 6, 5, 4]]  # one call with every popped block, cached or not

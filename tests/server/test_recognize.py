@@ -140,6 +140,28 @@ def test_tagged_requests_name_the_anchor_for_untagged_ones():
     assert recognizer.recognize("u1", block_hashes(prompt), prompt, BS).agent == "coder"
 
 
+def test_tagged_requests_wait_for_an_untagged_one_and_only_the_latest_count():
+    anchors = {a: text(f"anchor-{a}", 120) for a in ("planner", "coder")}
+    recognizer = Recognizer(RecognizeConfig(pending_tagged=4))
+    for s in range(5):
+        for agent, anchor in anchors.items():
+            prompt = anchor + text(f"task-{s}", 50)
+            recognizer.observe_tagged(agent, block_hashes(prompt), prompt, BS)
+    assert recognizer.nodes == {} and len(recognizer._pending) == 4  # tags only: no tree at all
+    prompt = anchors["coder"] + text("task-new", 50)
+    recognizer.recognize("u1", block_hashes(prompt), prompt, BS)
+    assert recognizer.root.count == 4 + 1 and not recognizer._pending  # the 6 oldest tagged ones are forgotten
+    # the same 10 tagged requests with room for all of them: learned as if observed at once
+    recognizer = Recognizer()
+    for s in range(5):
+        for agent, anchor in anchors.items():
+            prompt = anchor + text(f"task-{s}", 50)
+            recognizer.observe_tagged(agent, block_hashes(prompt), prompt, BS)
+    prompt = anchors["coder"] + text("task-new", 50)
+    assert recognizer.recognize("u1", block_hashes(prompt), prompt, BS).agent == "coder"
+    assert recognizer.root.count == 11
+
+
 def test_chunk_chain_ignores_where_the_history_starts():
     history = text("history", 400)
     first = next(i for i, t in enumerate(history) if (t * 0x9E3779B1 >> 7) & 7 == 0)  # the documented rule
@@ -155,3 +177,5 @@ def test_config_rejects_bad_values():
         RecognizeConfig(chunk=6)
     with pytest.raises(ValueError):
         RecognizeConfig(max_nodes=0)
+    with pytest.raises(ValueError):
+        RecognizeConfig(pending_tagged=0)

@@ -175,3 +175,31 @@ def test_malformed_xargs_are_served_untagged_and_counted():
     run(kv, runtime, req)
     assert runtime.tagged_requests == 0
     assert runtime.stats()["malformed_metadata"] == {"agentkv_agent": 1, "agentkv_step": 1}
+
+
+def test_tracker_merges_and_classifies_runs_like_single_blocks():
+    """Runs of blocks share a group (one merge, one classification per run); mixed runs stay exact."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from agentkv.graph import UNTAGGED, Anchor
+    from server_patch._tracker import BlockTracker, merge_group
+
+    tracker = BlockTracker()
+    blocks = [KVCacheBlock(i) for i in range(10)]
+    planner, coder = AgentTag("planner", "s1"), AgentTag("coder", "s2")
+    tracker.cached(blocks, 0, 6, planner, 2)  # 0-1 anchor, 2-5 history of s1
+    tracker.cached(blocks, 6, 8, None, 0)  # 6-7 untagged
+    before = {b.block_id: tracker._group.get(b.block_id) for b in blocks}
+    tracker.hit(blocks[:8], coder, 3)  # the coder hits all eight: runs change at 2, 3 and 6
+    expected = {i: merge_group(before[i], coder, i < 3) for i in range(8)}
+    assert {i: tracker._group[i] for i in range(8)} == expected
+    assert expected[0] == Anchor(frozenset({"planner", "coder"})) and type(expected[5]) is Anchor
+    for block in blocks:
+        block.set_block_hash(b"h")  # type: ignore[arg-type]  # only hashed blocks have a group
+    assert tracker.group_of(blocks[9]) is UNTAGGED and tracker.group_of(blocks[0]) == expected[0]
+    tracker.cached(blocks, 8, 10, AgentTag("writer", "s3"), 0)  # 8-9: history of s3, which ended
+    tracker.evicted([blocks[i] for i in (0, 8, 9, 1, 5)], lambda session: session == "s3")
+    untracked, hashless = KVCacheBlock(42), KVCacheBlock(43)
+    untracked.set_block_hash(b"u")  # type: ignore[arg-type]
+    tracker.evicted([untracked, hashless], lambda session: False)  # a block without a hash is not evicted
+    assert tracker.evictions == {"anchor": 3, "retired": 2, "untagged": 1}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
 import server_patch._runtime as runtime_module
 from agentkv.protocol import AgentTag
 from server_patch._runtime import AgentKVRuntime
@@ -27,9 +29,10 @@ def test_stats_are_reused_briefly_and_rebuilt_after_events_or_expiry(monkeypatch
 
 def test_blocks_by_agent_counts_every_tracked_block():
     tracker = BlockTracker()
-    tracker.cached([(0, 10), (1, 11), (2, 12)], AgentTag("planner", "s1"), 2)
-    tracker.cached([(0, 20), (1, 21)], AgentTag("coder", "s2"), 1)
-    tracker.hit([(0, 10), (1, 11)], AgentTag("coder", "s2"), 2)  # planner's anchor now shared with coder
+    planner, coder = [KVCacheBlock(i) for i in (10, 11, 12)], [KVCacheBlock(i) for i in (20, 21)]
+    tracker.cached(planner, 0, 3, AgentTag("planner", "s1"), 2)
+    tracker.cached(coder, 0, 2, AgentTag("coder", "s2"), 1)
+    tracker.hit(planner[:2], AgentTag("coder", "s2"), 2)  # planner's anchor now shared with coder
     assert tracker.blocks_by_agent() == {
         "planner": Counter({"anchor": 2, "history": 1}),
         "coder": Counter({"anchor": 3, "history": 1}),

@@ -1,0 +1,86 @@
+"""What one full evaluation of the next-use model costs, part by part (µs of thread CPU time).
+
+Drives the runtime as ``eviction_hot_path.py`` does (every request a new dispatch, every prompt
+new; a simulated clock, 10 requests a second) with ``AGENTKV_REFRESH_INTERVAL=0``, so that every
+step evaluates the model. After the warm-up it times, step by step, the parts the refresh runs
+(the chain, the live sessions, the learner's predictability, ``score_reuse``,
+``ReuseTable.scorer``, re-scoring the queue's groups), then the whole refresh (whose re-scoring
+then finds the scores just set); medians over the steps.
+
+    .venv/bin/python benchmarks/refresh_breakdown.py [--agents 24] [--sessions 100] [--steps 1500] [--rate 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agentkv.graph import score_reuse
+from benchmarks.eviction_hot_path import manager, requests
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+
+Timer = Callable[[str, Callable[[], Any]], Any]
+
+
+def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
+    """One evaluation of the model, as ``AgentKVRuntime.refresh`` runs it, part by part."""
+    now = runtime.clock()
+    chain = timed("Predictor.chain", runtime.predictor.chain)
+    live = timed("SessionTiming.sessions", runtime.timing.sessions)
+    predictability = timed("learner.predictability", runtime.learner.predictability)
+    table = timed("score_reuse", lambda: score_reuse(
+        chain, runtime._gaps, live, now=now, session_start_rate=runtime.timing.session_rate(now),
+        continuation={a: runtime.timing.continuation(a) for a in chain.agents},
+        interposed=runtime.learner.interposed_rate(), predictability=predictability,
+        gap_count=runtime.timing.gaps, config=runtime.config.reuse, passage=runtime._passage))
+    scorer = timed("ReuseTable.scorer", lambda: table.scorer(retired=runtime.facts.is_ended))
+    timed("queue.set_group_scores", lambda: runtime.queues[0].set_group_scores(scorer))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=24)
+    parser.add_argument("--sessions", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--warmup", type=int, default=600)
+    parser.add_argument("--rate", type=float, default=10.0, help="requests per (simulated) second")
+    args = parser.parse_args()
+    kv = manager(4096)
+    arrived = [0]  # requests so far: the simulated clock (a real one makes every run score differently)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=lambda: arrived[0] / args.rate)
+    runtime.install(kv)
+    parts: dict[str, list[float]] = {}
+
+    def timed(name: str, call: Callable[[], Any]) -> Any:
+        start = time.thread_time()
+        result = call()
+        parts.setdefault(name, []).append(time.thread_time() - start)
+        return result
+
+    for index, req in enumerate(requests(4096 // 16 + args.warmup + args.steps, 16, args.agents, args.sessions)):
+        arrived[0] = index
+        runtime.on_add_request(req)
+        if index >= 4096 // 16 + args.warmup and runtime._gaps is not None:
+            time_parts(runtime, timed)
+            timed("refresh (all of it)", runtime.refresh)
+        else:
+            runtime.refresh()
+        computed, hit, _ = kv.get_computed_blocks(req)
+        kv.record_prefix_cache_stats(req, hit)
+        assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
+        req.num_computed_tokens = req.num_tokens
+        kv.free(req)
+    groups = len(runtime.queues[0]._groups)
+    print(f"full evaluation at {args.agents} agents, {args.sessions} sessions, {groups} queue groups "
+          f"(median µs over {args.steps} steps)")
+    print("| part | µs |")
+    print("|---|---:|")
+    for name, samples in parts.items():
+        print(f"| {name} | {statistics.median(samples) * 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The runtime's control channel: stats document, graph facts and session events, answers
+(tool call or not), peer merges, snapshots (requests from the API server, served under the runtime's lock)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+
+from agentkv.graph import (
+    FactsFull,
+    GraphFacts,
+    PeerExport,
+    Predictor,
+    ReuseTable,
+    SessionTiming,
+    TransitionLearner,
+    save_snapshot,
+)
+from agentkv.protocol import PROTOCOL_VERSION, MalformedCounter, ProtocolError, validate_events, validate_id
+
+from ._config import RuntimeConfig
+from ._recognize import Recognizer
+from ._rows import agent_rows
+from ._tracker import AnchorLengths, BlockTracker
+from ._warmups import WarmupLedger
+
+__all__ = ["PEER_WEIGHT_FLOOR", "STATS_MAX_AGE", "RuntimeControl"]
+
+PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
+# A stats document is served again for this long (wall seconds): the engine builds at most a few
+# per second however often clients poll stats or /metrics, so polling cannot stall scheduling.
+STATS_MAX_AGE = 0.25
+
+
+class RuntimeControl:
+    """Control requests and the stats document of an ``AgentKVRuntime`` (mixed into it).
+
+    Invariants: every public entry point holds ``lock``; a stats document is at most
+    ``STATS_MAX_AGE`` seconds old and never older than the last graph fact or session event.
+    """
+
+    config: RuntimeConfig
+    epoch: str
+    lock: threading.RLock
+    learner: TransitionLearner
+    facts: GraphFacts
+    predictor: Predictor
+    timing: SessionTiming
+    tracker: BlockTracker
+    anchors: AnchorLengths
+    warmups: WarmupLedger
+    recognizer: Recognizer | None
+    malformed: MalformedCounter
+    pool: BlockPool | None
+    table: ReuseTable | None
+    block_size: int
+    tagged_requests: int
+    answers: Counter[str]
+    queries: Counter[str]
+    hits: Counter[str]
+    policy: str
+    anchor_residency: Callable[[str], tuple[int, int]]
+    _saved_version: tuple[int, int] | None
+    _stats_cache: tuple[float, int, dict[str, Any]] | None
+
+    # -- control channel -----------------------------------------------------------
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Serve one control request from the API server (runs in the control thread)."""
+        with self.lock:
+            op = request.get("op")
+            if op == "stats":
+                return self.stats()
+            if op == "events":
+                return self.apply_events(request.get("payload"))
+            if op == "state":
+                return self.learner.export_counts(self.config.replica, self.epoch).to_json()
+            if op == "merge":
+                return self.merge(request.get("payload"))
+            if op == "recognized":
+                recent = [] if self.recognizer is None else list(self.recognizer.recent)
+                return {"recognized": [list(r) for r in recent]}
+            if op == "save":
+                return {"saved": self.save_if_changed()}
+            if op == "answered":
+                return self.answered(request.get("session"), request.get("tool_call"))
+            return {"error": f"unknown control op {op!r}"}
+
+    def answered(self, session: object, tool_call: object) -> dict[str, Any]:
+        """A tagged request of ``session`` finished; its answer was a tool call or not (read by
+        the middleware from the response), so the model knows whether the same agent comes back."""
+        if not isinstance(session, str) or type(tool_call) is not bool:
+            return {"error": "answered takes a session id and a boolean tool_call", "status": 400}
+        try:
+            validate_id(session, "session")
+        except ProtocolError as exc:
+            return {"error": str(exc), "status": 400}
+        self.timing.answered(session, tool_call)
+        self.answers["tool_call" if tool_call else "no_tool_call"] += 1
+        return {"answered": True}
+
+    def merge(self, payload: object) -> dict[str, Any]:
+        """Merge another replica's exported counts (docs/protocol.md §2.3)."""
+        try:
+            export = PeerExport.from_json(payload, max_agents=self.config.learner.max_agents)
+        except ValueError as exc:
+            return {"error": f"merge refused: {exc}", "status": 400}
+        if export.total_weight() > self._max_peer_weight():
+            return {"error": f"merge refused: counts total {export.total_weight():.3g}, more than a replica "
+                             f"can learn ({self._max_peer_weight():.3g})", "status": 400}
+        if export.replica == self.config.replica and export.epoch == self.epoch:
+            return {"merged": False, "reason": "own export"}
+        return {"merged": self.learner.merge_peer(self._bounded_influence(export))}
+
+    def apply_events(self, payload: object) -> dict[str, Any]:
+        try:
+            events = validate_events(payload)
+        except ProtocolError as exc:
+            return {"error": str(exc), "status": 400}
+        accepted = duplicates = 0
+        for event in events:
+            try:
+                applied = self.facts.apply(event)
+            except FactsFull as exc:
+                return {"error": f"{exc} (cap, docs/server.md); {accepted} earlier events applied",
+                        "status": 400, "accepted": accepted, "duplicates": duplicates}
+            if applied:
+                accepted += 1
+                if event["type"] in ("session_end", "cancel"):
+                    self.learner.end_session(event["session"])
+                    self.timing.end(event["session"])
+            else:
+                duplicates += 1
+        return {"accepted": accepted, "duplicates": duplicates}
+
+    def stats(self, max_age: float = STATS_MAX_AGE) -> dict[str, Any]:
+        """The stats document (docs/protocol.md); at most ``max_age`` seconds old, and never older
+        than the last graph fact or session event."""
+        now = time.monotonic()
+        cached = self._stats_cache
+        if cached is not None and now - cached[0] < max_age and cached[1] == self.facts.version:
+            return cached[2]
+        document = self._build_stats()
+        self._stats_cache = (now, self.facts.version, document)
+        return document
+
+    def _build_stats(self) -> dict[str, Any]:
+        table = self.table
+        blocks = self.tracker.blocks_by_agent()
+        chain = self.predictor.chain()
+        transitions = {
+            a: {b: round(float(p), 4) for b, p in zip(chain.agents, chain.matrix[i], strict=True) if p >= 0.05}
+            for i, a in enumerate(chain.agents)
+        }
+        return {
+            "version": PROTOCOL_VERSION,
+            "enabled": self.config.enabled,
+            "policy": self.policy,
+            "block_size": self.block_size,
+            "predictability": self.learner.predictability(),
+            "top1_accuracy": self.learner.accuracy,
+            "dispatches": self.learner.dispatches,
+            "tagged_requests": self.tagged_requests,
+            "recognition": None if self.recognizer is None else self.recognizer.stats(),
+            "sessions": self._session_stats(),
+            "agents": self._agent_stats(blocks, table),
+            "kv_free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
+            "warmups": self.warmups.stats(),
+            "answers": dict(self.answers),  # tagged answers read by the middleware: tool call or not
+            "transitions": transitions,
+            "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},
+            "learner": {
+                "bytes": self.learner.state_bytes(),
+                "agents": len(self.learner.agents),
+                "replica": self.config.replica,
+                "peers": self.learner.peers.replicas(),
+            },
+            "facts": self.facts.export(),
+            "malformed_metadata": dict(self.malformed.by_field),
+            "config": {
+                "horizon_steps": table.steps if table is not None else None,
+                "horizon_s": round(table.horizon_s, 3) if table is not None else None,
+                "r_min": self.config.reuse.r_min,
+                "decay": self.config.decay,
+            },
+        }
+
+    def save(self) -> None:
+        if self.config.snapshot_path:
+            with self.lock:
+                save_snapshot(self.config.snapshot_path, self.learner, self.facts)
+                self._saved_version = (self.learner.version, self.facts.version)
+
+    # -- bounds (docs/server.md, "Limits") ------------------------------------------
+
+    def save_if_changed(self) -> bool:
+        """Save the snapshot unless nothing learned changed since the last save; True if written."""
+        with self.lock:
+            if not self.config.snapshot_path or self._saved_version == (self.learner.version, self.facts.version):
+                return False
+            self.save()
+            return True
+
+    def _max_peer_weight(self) -> float:
+        """Three times the most a decayed learner can hold per part (transitions, entries, ends), doubled."""
+        half_life = self.config.learner.half_life
+        if half_life is None:
+            return 1e12
+        return 6.0 / (1.0 - 2.0 ** (-1.0 / half_life))
+
+    def _bounded_influence(self, export: PeerExport) -> PeerExport:
+        """Scale a peer's counts down to at most ``peer_weight`` x this replica's own evidence
+        (at least ``peer_weight`` x PEER_WEIGHT_FLOOR): a peer can inform, never drown, the local model."""
+        own = self.learner.export_counts(self.config.replica, self.epoch).total_weight()
+        cap = self.config.peer_weight * max(own, PEER_WEIGHT_FLOOR)
+        total = export.total_weight()
+        return export.scaled(cap / total) if total > cap else export
+
+    def _session_stats(self) -> dict[str, Any]:
+        live = self.learner.session_agents()
+        recent = list(live.items())[-self.config.listed_agents :]  # the most recently active ones
+        return {"active": len(live), "ended": len(self.facts.ended), "current": dict(recent)}
+
+    def _agent_stats(self, blocks: Mapping[str, Counter[str]], table: ReuseTable | None) -> dict[str, Any]:
+        names = set(self.queries) | set(blocks) | set(self.learner.agents)
+        survival = (lambda a: 1.0) if table is None else table.survival
+        return agent_rows(names, self.queries, self.hits, blocks, survival, self.anchors.length,
+                          lambda agent: self.anchor_residency(agent)[0], self.config.listed_agents)
