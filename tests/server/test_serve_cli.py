@@ -24,7 +24,8 @@ def test_every_variable_the_server_reads_is_a_setting():
     sources = "\n".join(path.read_text() for path in (REPO_ROOT / "server_patch").glob("*.py"))
     read = set(re.findall(r'"(AGENTKV_[A-Z_]+)"', sources))
     assert read == {setting.env for setting in SETTINGS}
-    assert len({setting.flag for setting in SETTINGS}) == len(SETTINGS)
+    for setting in SETTINGS:  # --agentkv- and the variable's name in lower case with dashes (docs/server.md)
+        assert setting.flag == "--agentkv-" + setting.env.removeprefix("AGENTKV_").lower().replace("_", "-")
 
 
 def test_help_lists_every_setting_with_its_variable_and_default():
