@@ -5,17 +5,21 @@ vLLM's own KV events (``BlockRemoved``) are the independent record of what the p
 
 from __future__ import annotations
 
+import torch
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from agentkv.testing.kv_manager import kv_cache_manager
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 from .test_runtime import BS, NUM_BLOCKS, free_order, pipeline_sessions, replay, request, run
 
 
 def evented_manager(num_blocks: int) -> KVCacheManager:
-    return kv_cache_manager(num_blocks, BS, kv_cache_events=True)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    return KVCacheManager(config, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS,
+                          enable_kv_cache_events=True)
 
 
 def removed_blocks(kv: KVCacheManager) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.sampling_params import SamplingParams
@@ -20,9 +21,13 @@ from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
 )
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from vllm.v1.request import Request
 
-from agentkv.testing.kv_manager import kv_cache_manager
 from server_patch._free_queue import ScoredFreeBlockQueue
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -59,7 +64,17 @@ class Tags:
 
 
 def make_manager(num_blocks: int) -> KVCacheManager:
-    return kv_cache_manager(num_blocks, BS)
+    spec = FullAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    return KVCacheManager(
+        config, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS
+    )
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:

@@ -8,15 +8,16 @@ import random
 
 import jsonschema
 import pytest
+import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
 from agentkv.graph import History, ReuseConfig
 from agentkv.protocol import STATS_SCHEMA, AgentTag
-from agentkv.testing.kv_manager import kv_cache_manager
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 BS = 16
@@ -29,7 +30,9 @@ _ids = itertools.count()
 
 
 def manager(num_blocks: int) -> KVCacheManager:
-    return kv_cache_manager(num_blocks, BS)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l"], spec)])
+    return KVCacheManager(config, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS)
 
 
 def anchor(agent: str) -> list[int]:
