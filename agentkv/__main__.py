@@ -69,6 +69,12 @@ def _add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["serve"]:  # the rest is agentkv.serve's: its own flags and --help, then vLLM's arguments
+        from agentkv import serve
+
+        serve.main(args[1:])
+        return
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="the main demo: the six-agent app on vanilla vLLM vs agentkv serve")

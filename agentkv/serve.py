@@ -1,21 +1,26 @@
-"""``agentkv serve MODEL [vllm args]``: vLLM's OpenAI server with the agentkv extension.
+"""``agentkv serve MODEL [--agentkv-NAME VALUE ...] [vllm args]``: vLLM's OpenAI server with the agentkv extension.
 
-Replaces this process with ``python -m vllm.entrypoints.openai.api_server`` (so its pid
-is the server's) plus ``--scheduler-cls``, ``--middleware`` and
-``--enable-prompt-tokens-details``. Never imports vllm itself.
+Takes agentkv's own flags (``agentkv.settings``; ``--help`` lists them) into this process's
+environment, where the server reads them, then replaces this process with ``python -m
+vllm.entrypoints.openai.api_server`` (so its pid is the server's) plus ``--scheduler-cls``,
+``--middleware`` and ``--enable-prompt-tokens-details``. Never imports vllm itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import sys
 import tempfile
 import uuid
 
-__all__ = ["main", "take_agentkv_flags", "vllm_command"]
+__all__ = ["check_environment", "help_text", "main", "take_agentkv_flags", "vllm_command"]
 
+from agentkv.settings import SETTINGS, SettingError
 from server_patch import ASYNC_SCHEDULER, MIDDLEWARE, SCHEDULER
+
+_BY_FLAG = {setting.flag: setting for setting in SETTINGS}
 
 
 def _is_cpu_build() -> bool:
@@ -41,31 +46,58 @@ def vllm_command(vllm_args: list[str], *, cpu: bool | None = None) -> list[str]:
 
 
 def take_agentkv_flags(args: list[str], env: dict[str, str] | os._Environ[str]) -> list[str]:
-    """Remove agentkv's own flags from ``args`` into ``env``; returns vLLM's arguments.
+    """Remove agentkv's own flags from ``args`` into ``env``; returns vLLM's arguments, in order.
 
-    ``--agentkv-recognize on|off`` (or ``=on|off``) sets ``AGENTKV_RECOGNIZE`` (1 or 0).
+    ``--agentkv-NAME VALUE`` and ``--agentkv-NAME=VALUE`` set the setting's variable to the value
+    the server reads (switches: 1 or 0); a refused value raises SettingError.
     """
     out: list[str] = []
     rest = iter(args)
     for arg in rest:
         name, eq, value = arg.partition("=")
-        if name != "--agentkv-recognize":
+        setting = _BY_FLAG.get(name)
+        if setting is None:
             out.append(arg)
             continue
-        value = value if eq else next(rest, "")
-        if value not in ("on", "off"):
-            raise SystemExit(f"--agentkv-recognize takes on or off, not {value!r}")
-        env["AGENTKV_RECOGNIZE"] = "1" if value == "on" else "0"
+        raw = value if eq else next(rest, None)
+        if raw is None:
+            raise SettingError(f"{name} needs a value ({setting.metavar})")
+        env[setting.env] = setting.value(raw, source=name)
     return out
+
+
+def check_environment(env: dict[str, str] | os._Environ[str]) -> None:
+    """Refuse a set AGENTKV_* fallback that its setting does not accept (SettingError)."""
+    for setting in SETTINGS:
+        setting.checked_env(env)
+
+
+def help_text() -> str:
+    parser = argparse.ArgumentParser(
+        prog="agentkv serve", add_help=False,
+        usage="agentkv serve MODEL [--agentkv-NAME VALUE ...] [vllm args ...]",
+        description="vLLM's OpenAI-compatible server with the agentkv extension (scheduler + middleware).",
+        epilog="Every other argument goes to vLLM unchanged "
+               "(python -m vllm.entrypoints.openai.api_server --help lists them).",
+    )
+    group = parser.add_argument_group("agentkv settings (the flag, else its environment variable, else the default)")
+    for setting in SETTINGS:
+        group.add_argument(setting.flag, metavar=setting.metavar,
+                           help=f"{setting.help} [env {setting.env}; default: {setting.default}]")
+    return parser.format_help()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
-        print("usage: agentkv serve MODEL [--agentkv-recognize on|off] [vllm args...]"
-              "   (or: python -m agentkv.serve --model MODEL ...)")
+    if not args or "-h" in args or "--help" in args:
+        print(help_text(), end="")
         sys.exit(0 if args else 2)
-    args = take_agentkv_flags(args, os.environ)
+    try:
+        args = take_agentkv_flags(args, os.environ)
+        check_environment(os.environ)
+    except SettingError as exc:
+        print(f"agentkv serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     os.environ.setdefault("AGENTKV_CONTROL", f"ipc://{tempfile.gettempdir()}/agentkv-{uuid.uuid4().hex[:12]}.ipc")
     command = vllm_command(args)
     os.execv(command[0], command)

@@ -2,6 +2,11 @@
 
 Markers:
     server: starts a real vLLM server (slow, ~30-60 s start-up on CPU).
+
+Tests run in random order (pytest-randomly; the seed is printed at the start and the end of a
+run). Two servers are shared by the whole session; a test on them asserts on what changed since
+it started (``agentkv.testing.server_stats.StatsSnapshot``). A module whose assertions depend on
+everything its server saw uses ``own_agentkv_server``, a server of the module's own.
 """
 
 from __future__ import annotations
@@ -16,11 +21,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # also works when run as `pytest` rather than `python -m pytest`
     sys.path.insert(0, str(REPO_ROOT))
 
-from agentkv.testing.vllm_server import ServerSpec, VLLMServer  # noqa: E402
+from agentkv.testing.servers import running_server, tiny_server_spec  # noqa: E402
+from agentkv.testing.vllm_server import VLLMServer  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "server: starts a real vLLM server on 127.0.0.1 (slow)")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
+    """Repeat the order's seed at the end, where a failure is read (``-q`` hides the header)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and config.pluginmanager.has_plugin("randomly"):
+        terminalreporter.write_line(f"test order: reproduce with -p randomly --randomly-seed={seed}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -38,34 +51,23 @@ def tiny_model_dir() -> Path:
     return build_tiny_model(TINY_MODEL_DIR)
 
 
-# Both servers get the same pool: 80 usable blocks of 32 tokens (block 0 is vLLM's null block).
-SERVER_BLOCKS = 81
-
-
-def _server(spec: ServerSpec, tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[VLLMServer]:
-    log_path = tmp_path_factory.mktemp(name) / "vllm.log"
-    with VLLMServer(spec, log_path=log_path) as server:
-        yield server
-
-
 @pytest.fixture(scope="session")
 def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """A stock vLLM server (block size 32, 80 usable blocks, max_model_len 2048) for the session."""
-    spec = ServerSpec(model_dir=tiny_model_dir, block_size=32, num_gpu_blocks=SERVER_BLOCKS, max_model_len=2048)
-    yield from _server(spec, tmp_path_factory, "vanilla-server")
-
-
-def agentkv_server_process(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str
-) -> Iterator[VLLMServer]:
-    """An ``agentkv serve`` (scheduler + middleware extension) with the vanilla server's pool; a module
-    whose assertions depend on everything a server saw since it started yields its own from this."""
-    spec = ServerSpec(model_dir=model_dir, block_size=32, num_gpu_blocks=SERVER_BLOCKS, max_model_len=2048,
-                      module="agentkv.serve")
-    yield from _server(spec, tmp_path_factory, name)
+    yield from running_server(tiny_server_spec(tiny_model_dir, agentkv=False), tmp_path_factory.mktemp("vanilla"))
 
 
 @pytest.fixture(scope="session")
 def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """The same server started through ``agentkv serve``, shared by the session."""
-    yield from agentkv_server_process(tiny_model_dir, tmp_path_factory, "agentkv-server")
+    yield from running_server(tiny_server_spec(tiny_model_dir, agentkv=True), tmp_path_factory.mktemp("agentkv"))
+
+
+@pytest.fixture(scope="module")
+def own_agentkv_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[VLLMServer]:
+    """An ``agentkv serve`` like the shared one, of the requesting module's own (~40 s to start): for
+    assertions on what the server learned and counted since it started."""
+    log_dir = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    yield from running_server(tiny_server_spec(tiny_model_dir, agentkv=True), log_dir)

@@ -1,32 +1,14 @@
-"""Helpers for the end-to-end tests against the real ``agentkv_server`` fixture (tiny model, 32-token blocks)."""
+"""Helpers for the end-to-end tests against a real ``agentkv serve`` (tiny model, 32-token blocks)."""
 
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from agentkv.protocol import STATS_PATH
-
 BLOCK = 32
 MAX_PROMPT = 2040  # max_model_len 2048 with max_tokens 1: 64 blocks
-
-
-def stats(base_url: str) -> dict[str, Any]:
-    response = httpx.get(base_url + STATS_PATH, trust_env=False, timeout=30)
-    response.raise_for_status()
-    return response.json()
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll ``check`` until true (background event delivery is asynchronous)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def instructions(role: str, run: str, sentences: int = 24) -> str:
@@ -54,14 +36,3 @@ def cached_tokens(message: Any) -> int:
     """``cached_tokens`` of a langchain-openai ``AIMessage``."""
     usage = message.response_metadata["token_usage"]
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
-def learned(snapshot: dict[str, Any], agent: str, successor: str) -> bool:
-    """Whether the server's most likely next agent after ``agent`` is ``successor``, by far.
-
-    Rows are smoothed over every agent the transition may reach, including undeclared agents that
-    other tests sent to the same server, so the probability itself depends on the test order.
-    """
-    row = snapshot["transitions"][agent]
-    others = [p for a, p in row.items() if a != successor]
-    return row.get(successor, 0.0) >= 5 * max(others, default=0.0) and row.get(successor, 0.0) > 0.5

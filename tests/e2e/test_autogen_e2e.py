@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -20,26 +19,20 @@ from autogen_core.models import ModelInfo
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 from agentkv.frameworks.autogen import instrument
-from agentkv.testing.vllm_server import VLLMServer
-from tests.conftest import agentkv_server_process
+from agentkv.testing.server_stats import fetch_stats, learned, wait_for
 
-from ._util import instructions, learned, stats, wait_for
+from ._util import instructions
 
 pytestmark = pytest.mark.server
 
-
-@pytest.fixture(scope="module")
-def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """An ``agentkv serve`` of this module's own (the shared one's spec): the assertions here are on
-    what the server learned and counted since it started, which other modules' traffic would change."""
-    yield from agentkv_server_process(tiny_model_dir, tmp_path_factory, "autogen-e2e")
 
 MODEL_INFO = ModelInfo(vision=False, function_calling=False, json_output=False, family="unknown",
                        structured_output=False)
 
 
-def test_autogen_selector_team_is_learned_by_the_server(agentkv_server) -> None:
-    base = agentkv_server.base_url
+def test_autogen_selector_team_is_learned_by_the_server(own_agentkv_server) -> None:
+    # A server of this module's own: what the server learned depends on every agent it saw.
+    base = own_agentkv_server.base_url
     run = uuid.uuid4().hex[:8]
 
     def client() -> OpenAIChatCompletionClient:
@@ -64,11 +57,11 @@ def test_autogen_selector_team_is_learned_by_the_server(agentkv_server) -> None:
     selector = f"selector-{run}"
     session = f"ag-{run}"
     instrument(team, session=session, events_url=base, selector_name=selector)
-    before = stats(base)
+    before = fetch_stats(base)
     result = asyncio.run(team.run(task="Write a function that adds two numbers."))
     assert [m.source for m in result.messages] == ["user", *names]
-    wait_for(lambda: stats(base)["sessions"]["ended"] > before["sessions"]["ended"], "the session end")
-    after = stats(base)
+    wait_for(lambda: fetch_stats(base)["sessions"]["ended"] > before["sessions"]["ended"], "the session end")
+    after = fetch_stats(base)
 
     assert {*names, selector} <= set(after["agents"])
     assert all(after["agents"][a]["queries"] > 0 for a in (*names, selector))  # the selector's call is tagged

@@ -23,9 +23,10 @@ from langgraph.graph import END, START, StateGraph
 
 import agentkv
 from agentkv.graph import TransitionLearner
+from agentkv.testing.server_stats import fetch_stats, learned, wait_for
 from agentkv.warmup import WarmupCoordinator
 
-from ._util import BLOCK, cached_tokens, fill_cache, instructions, learned, stats, wait_for
+from ._util import BLOCK, cached_tokens, fill_cache, instructions
 
 pytestmark = pytest.mark.server
 
@@ -69,17 +70,18 @@ class App:
         self.graph = agentkv.instrument(builder.compile(), agent_names=names, events_url=base_url)
 
     def session(self, thread: str) -> None:
-        ended = stats(self.base_url)["sessions"]["ended"]
+        ended = fetch_stats(self.base_url)["sessions"]["ended"]
         self.graph.invoke({"task": f"task {thread}"}, {"configurable": {"thread_id": thread}})
-        wait_for(lambda: stats(self.base_url)["sessions"]["ended"] > ended, f"the end of {thread}")
+        wait_for(lambda: fetch_stats(self.base_url)["sessions"]["ended"] > ended, f"the end of {thread}")
 
 
-def test_warmup_makes_a_cold_anchor_hit(agentkv_server) -> None:
-    base = agentkv_server.base_url
+def test_warmup_makes_a_cold_anchor_hit(own_agentkv_server) -> None:
+    # A server of this module's own: what the server learned depends on every agent it saw.
+    base = own_agentkv_server.base_url
     run = uuid.uuid4().hex[:8]
     app = App(base, run)
 
-    server_before = stats(base)["warmups"]
+    server_before = fetch_stats(base)["warmups"]
     app.coordinator = WarmupCoordinator(base, learner=TransitionLearner())
     with app.coordinator as coordinator:
         app.session(f"w-{run}-1")
@@ -101,8 +103,8 @@ def test_warmup_makes_a_cold_anchor_hit(agentkv_server) -> None:
     assert client_side["sent"] == 1 and client_side["useful"] == 1 and client_side["failed"] == 0
     assert client_side["predictions"] == {"right": 1, "wrong": 0}
     assert client_side["errors"] == {} and client_side["unstable_prefixes"] == {}
-    assert learned(stats(base), app.planner, app.coder)
-    server_after = stats(base)["warmups"]
+    assert learned(fetch_stats(base), app.planner, app.coder)
+    server_after = fetch_stats(base)["warmups"]
     # the server saw the warm-up and the coder's call hit every warmed block
     assert server_after["sent"] - server_before["sent"] == 1
     assert server_after["useful"] - server_before["useful"] == 1
@@ -123,4 +125,4 @@ def test_warmup_makes_a_cold_anchor_hit(agentkv_server) -> None:
     assert server_side["sent"] == 1 and server_side["useful"] == 1 and server_side["failed"] == 0
     assert server_side["skipped"].get("resident", 0) >= 1
     assert "residency_unknown" not in server_side["fallbacks"]  # the server knew the coder's anchor by then
-    assert stats(base)["warmups"]["useful"] - server_after["useful"] == 1
+    assert fetch_stats(base)["warmups"]["useful"] - server_after["useful"] == 1

@@ -5,10 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import httpx
 import pytest
 
-from agentkv.protocol import STATS_PATH
+from agentkv.testing.server_stats import StatsSnapshot
 from tests.conftest import REPO_ROOT
 
 EXAMPLE = REPO_ROOT / "examples" / "autogen_selector.py"
@@ -29,8 +28,7 @@ def test_handoff_table_is_a_distribution_over_other_participants():
 
 @pytest.mark.server
 def test_one_session_on_agentkv(agentkv_server):
-    stats_url = agentkv_server.base_url + STATS_PATH
-    before = httpx.get(stats_url, trust_env=False).json()
+    snapshot = StatsSnapshot.take(agentkv_server.base_url)  # the shared server: deltas from here
     run = subprocess.run(
         [sys.executable, str(EXAMPLE), "--base-url", agentkv_server.base_url + "/v1", "--sessions", "1",
          "--turns", "4"],
@@ -40,12 +38,8 @@ def test_one_session_on_agentkv(agentkv_server):
     assert run.returncode == 0
     assert "session 0 " in run.stdout and "selector: 3 model calls" in run.stdout
 
-    after = httpx.get(stats_url, trust_env=False).json()
-
-    def queries(stats, agent):
-        return stats["agents"].get(agent, {}).get("queries", 0)
-
-    assert queries(after, "planner") > queries(before, "planner")  # the first speaker
-    assert queries(after, "selector") > queries(before, "selector")  # the selector's own calls, tagged
-    assert after["dispatches"] - before["dispatches"] >= 4  # 4 speaker turns (+ the selector's tagged calls)
-    assert after["sessions"]["ended"] - before["sessions"]["ended"] == 1
+    after = snapshot.now()
+    assert snapshot.agent_delta("planner", now=after) > 0  # the first speaker
+    assert snapshot.agent_delta("selector", now=after) > 0  # the selector's own calls, tagged
+    assert snapshot.delta("dispatches", now=after) >= 4  # 4 speaker turns (+ the selector's tagged calls)
+    assert snapshot.delta("sessions", "ended", now=after) == 1

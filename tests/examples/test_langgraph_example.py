@@ -5,13 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import httpx
 import pytest
 from langchain_core.messages import AIMessage
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from agentkv.bench.topologies import AGENTS
-from agentkv.protocol import STATS_PATH
+from agentkv.testing.server_stats import StatsSnapshot
 from tests.conftest import REPO_ROOT
 
 EXAMPLE = REPO_ROOT / "examples" / "langgraph_supervisor.py"
@@ -89,8 +88,7 @@ def test_two_sessions_on_agentkv_teach_the_server_six_anchors(agentkv_server, ex
         s for s in range(200)
         if all(set(planned_path(example, f"session-{s}-{i}", s)) == set(AGENTS) for i in range(2))
     )
-    stats_url = agentkv_server.base_url + STATS_PATH
-    before = httpx.get(stats_url, trust_env=False).json()
+    snapshot = StatsSnapshot.take(agentkv_server.base_url)  # the shared server: deltas from here
     run = subprocess.run(
         [sys.executable, str(EXAMPLE), "--base-url", agentkv_server.base_url + "/v1", "--sessions", "2",
          "--concurrency", "2", "--seed", str(seed), "--tool-choice", "none", "--tool-gap", "0.05",
@@ -104,12 +102,11 @@ def test_two_sessions_on_agentkv_teach_the_server_six_anchors(agentkv_server, ex
         path = " -> ".join(planned_path(example, f"session-{seed}-{i}", seed))
         assert f"session {i} " in run.stdout and path in run.stdout
 
-    after = httpx.get(stats_url, trust_env=False).json()
+    after = snapshot.now()
     for agent in AGENTS:
-        queries = after["agents"][agent]["queries"] - before["agents"].get(agent, {}).get("queries", 0)
-        assert queries > 0, agent
+        assert snapshot.agent_delta(agent, now=after) > 0, agent
         # the learned anchor: the common block prefix of the agent's calls in two sessions (system + tools)
         assert after["agents"][agent]["anchor_length_blocks"] >= 12, (agent, after["agents"][agent])
-    assert after["dispatches"] - before["dispatches"] == 16
-    assert after["sessions"]["ended"] - before["sessions"]["ended"] == 2
+    assert snapshot.delta("dispatches", now=after) == 16
+    assert snapshot.delta("sessions", "ended", now=after) == 2
     assert set(AGENTS) <= set(after["facts"]["nodes"])

@@ -1,5 +1,5 @@
-"""A real ``agentkv serve`` with ``AGENTKV_ENABLED=0``: exact LRU, and the eviction counters of
-``/agentkv/v1/stats`` and ``/metrics`` equal the blocks LRU actually evicted.
+"""A real ``agentkv serve --agentkv-enabled off`` (the flag sets ``AGENTKV_ENABLED=0``): exact LRU, and
+the eviction counters of ``/agentkv/v1/stats`` and ``/metrics`` equal the blocks LRU actually evicted.
 
 The pool has 80 usable blocks of 32 tokens and starts empty. Every prompt is distinct and holds 20
 full blocks + 1 token, so a request takes 21 blocks and leaves 20 cached plus 1 hash-less block
@@ -28,7 +28,7 @@ FULL_BLOCKS = 20
 @pytest.fixture(scope="module")
 def disabled_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     spec = ServerSpec(model_dir=tiny_model_dir, block_size=BLOCK, num_gpu_blocks=81, max_model_len=2048,
-                      module="agentkv.serve", env={"AGENTKV_ENABLED": "0"})
+                      module="agentkv.serve", extra_args=["--agentkv-enabled", "off"])
     with VLLMServer(spec, log_path=tmp_path_factory.mktemp("disabled-server") / "vllm.log") as server:
         yield server
 

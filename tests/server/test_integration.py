@@ -7,24 +7,17 @@ The same tagged multi-agent sequence is replayed against both; the assertion is 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from agentkv.protocol import EVENTS_PATH, STATS_PATH, AgentTag
-from agentkv.testing.vllm_server import VLLMServer
-from tests.conftest import agentkv_server_process
+from agentkv.testing.server_stats import StatsSnapshot
 
 pytestmark = pytest.mark.server
 
-
-@pytest.fixture(scope="module")
-def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """An ``agentkv serve`` of this module's own (the shared one's spec): the assertions here are on
-    what the server learned and counted since it started, which other modules' traffic would change."""
-    yield from agentkv_server_process(tiny_model_dir, tmp_path_factory, "integration")
+# The assertions here are on what the server learned and counted since it started: every test
+# uses a server of this module's own, which other modules' traffic cannot reach.
 
 AGENTS = ("supervisor", "coder", "reviewer", "writer")
 BLOCK = 32
@@ -67,9 +60,10 @@ def _replay(base_url: str, *, with_events: bool) -> list[tuple[str, str, int]]:
     return measured
 
 
-def test_anchor_of_the_returning_agent_survives_only_with_agentkv(vanilla_server, agentkv_server):
+def test_anchor_of_the_returning_agent_survives_only_with_agentkv(vanilla_server, own_agentkv_server):
+    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
     vanilla = _replay(vanilla_server.base_url, with_events=False)
-    agentkv = _replay(agentkv_server.base_url, with_events=True)
+    agentkv = _replay(own_agentkv_server.base_url, with_events=True)
     late = {f"session-{s}" for s in range(2, SESSIONS)}  # anchors are learned from the first two sessions
     prompt_tokens = (ANCHOR_BLOCKS + HISTORY_BLOCKS) * BLOCK + 1
     summary = {
@@ -81,17 +75,18 @@ def test_anchor_of_the_returning_agent_survives_only_with_agentkv(vanilla_server
     assert [hit for s, _, hit in agentkv if s in late] == [ANCHOR_BLOCKS * BLOCK] * (len(late) * len(AGENTS))
     assert summary["vanilla"][0] <= summary["agentkv"][0] / 4
 
-    stats = httpx.get(agentkv_server.base_url + STATS_PATH, trust_env=False).json()
+    stats = snapshot.now()
     assert stats["policy"] == "survival"
     assert set(AGENTS) <= set(stats["agents"])
     assert stats["transitions"]["supervisor"] == {"coder": pytest.approx(1.0, abs=0.1)}
-    assert stats["sessions"]["ended"] == SESSIONS
-    assert stats["agents"]["coder"]["hits"] >= (SESSIONS - 2) * ANCHOR_BLOCKS * BLOCK
-    assert stats["evictions"]["anchor"] == 0 and stats["evictions"]["retired"] > 0
+    assert snapshot.delta("sessions", "ended", now=stats) == SESSIONS
+    assert snapshot.agent_delta("coder", "hits", now=stats) >= (SESSIONS - 2) * ANCHOR_BLOCKS * BLOCK
+    assert snapshot.delta("evictions", "anchor", now=stats) == 0
+    assert snapshot.delta("evictions", "retired", now=stats) > 0
 
 
-def test_malformed_headers_are_served_untagged_and_counted(agentkv_server):
-    with httpx.Client(base_url=agentkv_server.base_url, timeout=60, trust_env=False) as client:
+def test_malformed_headers_are_served_untagged_and_counted(own_agentkv_server):
+    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=60, trust_env=False) as client:
         before = client.get(STATS_PATH).json()["malformed_metadata"].get("X-AgentKV-Agent", 0)
         response = client.post(
             "/v1/completions",
@@ -106,7 +101,8 @@ def test_malformed_headers_are_served_untagged_and_counted(agentkv_server):
         assert client.post(EVENTS_PATH, content=b"{nope").status_code == 400
 
 
-def test_metrics_carry_agentkv_counters_beside_vllms(agentkv_server):
-    text = httpx.get(agentkv_server.base_url + "/metrics", trust_env=False, headers={"Accept-Encoding": "gzip"}).text
+def test_metrics_carry_agentkv_counters_beside_vllms(own_agentkv_server):
+    text = httpx.get(own_agentkv_server.base_url + "/metrics", trust_env=False,
+                     headers={"Accept-Encoding": "gzip"}).text
     assert "vllm:prefix_cache_queries_total" in text
     assert "agentkv_evictions_total" in text and "agentkv_predictability" in text

@@ -5,12 +5,10 @@ from __future__ import annotations
 import itertools
 import random
 
-import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
 from agentkv.protocol import AgentTag
-from agentkv.serve import take_agentkv_flags
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 from tests.server.test_runtime import HASHER, manager, run
 
@@ -88,12 +86,3 @@ def test_recognition_off():
     measured = sessions(runtime, kv, 4)
     assert all(runtime.tag_of(req) is None for _, req in measured)
     assert runtime.stats()["recognition"] is None and runtime.policy == "lru"
-
-
-def test_serve_flag_sets_the_environment():
-    env: dict[str, str] = {}
-    assert take_agentkv_flags(["M", "--agentkv-recognize", "off", "--port", "1"], env) == ["M", "--port", "1"]
-    assert env == {"AGENTKV_RECOGNIZE": "0"}
-    assert take_agentkv_flags(["--agentkv-recognize=on"], env) == [] and env["AGENTKV_RECOGNIZE"] == "1"
-    with pytest.raises(SystemExit):
-        take_agentkv_flags(["--agentkv-recognize", "maybe"], env)

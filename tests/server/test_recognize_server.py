@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from agentkv.protocol import STATS_PATH
-from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
 pytestmark = pytest.mark.server
 
@@ -23,18 +20,10 @@ def _tokens(seed: str, n: int) -> list[int]:
     return [rng.randrange(10, 4000) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def fresh_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A server of its own: recognition learns the preamble from all the traffic a server has seen,
-    and the shared fixture's earlier traffic (other first blocks) would hide this test's preamble."""
-    spec = ServerSpec(model_dir=tiny_model_dir, block_size=BLOCK, num_gpu_blocks=81, max_model_len=2048,
-                      module="agentkv.serve")
-    with VLLMServer(spec, log_path=tmp_path_factory.mktemp("recognize") / "vllm.log") as running:
-        yield running
-
-
-def test_untagged_requests_show_recognized_agents_in_stats(fresh_server):
-    agentkv_server = fresh_server
+def test_untagged_requests_show_recognized_agents_in_stats(own_agentkv_server):
+    # A server of this module's own: recognition learns the preamble from all the traffic a server
+    # has seen, and other modules' traffic (other first blocks) would hide this test's preamble.
+    agentkv_server = own_agentkv_server
     anchors = {a: _tokens("team", BLOCK) + _tokens(f"anchor-{a}", 4 * BLOCK) for a in AGENTS}
     with httpx.Client(base_url=agentkv_server.base_url, timeout=120, trust_env=False) as client:
         before = client.get(STATS_PATH).json()["recognition"]["recognized_requests"]

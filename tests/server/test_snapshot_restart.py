@@ -88,7 +88,7 @@ def test_a_corrupt_snapshot_is_refused_and_the_server_starts_fresh(tiny_model_di
     snapshot = tmp_path / "state.json"
     snapshot.write_text('{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": ["a"], "cou')
     spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
-                      env={"AGENTKV_SNAPSHOT": str(snapshot)})
+                      extra_args=["--agentkv-snapshot", str(snapshot)])  # the flag; the test above uses the variable
     with VLLMServer(spec, log_path=tmp_path / "server.log") as server:
         assert _transitions(server) == {}
         log = server.log_path.read_text(errors="replace")

@@ -1,0 +1,76 @@
+"""``agentkv serve``'s own flags: listed by --help, validated, and written into the server's environment."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from agentkv.serve import check_environment, take_agentkv_flags
+from agentkv.settings import SETTINGS, SettingError
+from tests.conftest import REPO_ROOT
+
+
+def _agentkv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m agentkv ARGS`` (an invalid setting exits before vLLM is ever started)."""
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "agentkv", *args], capture_output=True, text=True, timeout=60,
+                          env={**base, **(env or {})}, cwd=REPO_ROOT)
+
+
+def test_every_variable_the_server_reads_is_a_setting():
+    sources = "\n".join(path.read_text() for path in (REPO_ROOT / "server_patch").glob("*.py"))
+    read = set(re.findall(r'"(AGENTKV_[A-Z_]+)"', sources))
+    assert read == {setting.env for setting in SETTINGS}
+    for setting in SETTINGS:  # --agentkv- and the variable's name in lower case with dashes (docs/server.md)
+        assert setting.flag == "--agentkv-" + setting.env.removeprefix("AGENTKV_").lower().replace("_", "-")
+
+
+def test_help_lists_every_setting_with_its_variable_and_default():
+    run = _agentkv("serve", "--help")
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())  # argparse wraps lines
+    assert text.startswith("usage: agentkv serve MODEL [--agentkv-NAME VALUE ...] [vllm args ...]")
+    for setting in SETTINGS:
+        assert f"{setting.flag} {setting.metavar}" in text
+        assert f"[env {setting.env}; default: {setting.default}]" in text
+    assert "Every other argument goes to vLLM unchanged" in text
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--agentkv-horizon", "0"], {}, "--agentkv-horizon takes an integer >= 1, not '0'"),
+    (["--agentkv-r-min=1.5"], {}, "--agentkv-r-min takes a number >= 0 and <= 1, not '1.5'"),
+    (["--agentkv-recognize", "maybe"], {}, "--agentkv-recognize takes on or off, not 'maybe'"),
+    (["--agentkv-peers", "127.0.0.1:8000"], {}, "--agentkv-peers takes comma-separated http(s) base URLs, "
+                                                "not '127.0.0.1:8000'"),
+    (["--agentkv-snapshot"], {}, "--agentkv-snapshot needs a value (PATH)"),
+    ([], {"AGENTKV_SYNC_INTERVAL": "0"}, "AGENTKV_SYNC_INTERVAL takes a number > 0, not '0'"),
+    ([], {"AGENTKV_STATS_TOP_AGENTS": "many"}, "AGENTKV_STATS_TOP_AGENTS takes an integer >= 1, not 'many'"),
+])
+def test_a_refused_value_exits_2_with_the_reason(args, env, message):
+    run = _agentkv("serve", "some-model", *args, env=env)
+    assert run.returncode == 2
+    assert run.stderr.strip() == f"agentkv serve: error: {message}"
+    assert run.stdout == ""
+
+
+def test_flags_become_the_servers_environment_and_the_rest_goes_to_vllm():
+    env: dict[str, str] = {}
+    args = ["M", "--agentkv-recognize", "off", "--port", "1", "--agentkv-horizon=6", "--agentkv-peers",
+            " http://127.0.0.1:8001/ ,http://127.0.0.1:8002", "--agentkv-strict", "on", "--max-model-len", "64"]
+    assert take_agentkv_flags(args, env) == ["M", "--port", "1", "--max-model-len", "64"]
+    assert env == {"AGENTKV_RECOGNIZE": "0", "AGENTKV_HORIZON": "6", "AGENTKV_STRICT": "1",
+                   "AGENTKV_PEERS": "http://127.0.0.1:8001/,http://127.0.0.1:8002"}
+
+
+def test_the_flag_wins_over_the_variable_and_a_set_variable_is_the_fallback():
+    env = {"AGENTKV_DECAY": "0.5", "AGENTKV_R_MIN": "0.3"}
+    take_agentkv_flags(["--agentkv-decay", "0.01"], env)
+    check_environment(env)
+    assert env == {"AGENTKV_DECAY": "0.01", "AGENTKV_R_MIN": "0.3"}
+    # an empty variable is unset, and a switch keeps the server's own reading of any text
+    check_environment({"AGENTKV_SNAPSHOT": "", "AGENTKV_ENABLED": "false"})
+    with pytest.raises(SettingError, match="AGENTKV_PEER_WEIGHT takes a number > 0, not '-1'"):
+        check_environment({"AGENTKV_PEER_WEIGHT": "-1"})
