@@ -247,13 +247,25 @@ class Recognizer:
         return self._split.depth + 1
 
     def _identity(self, path: list[_Node]) -> _Node | None:
-        """The request's anchor block: its first block after the preamble, if frequent."""
+        """The request's anchor block: its first block after the deepest split on its path into
+        anchor-like children, if frequent. The first split ends the preamble every agent shares;
+        a deeper one ends a preamble only some agents share (a team's), so agents behind the
+        same team text stay apart. Below an agent's anchor the children are session histories
+        (chains, not anchor-like), which ends the walk."""
         depth = self._split.depth + 1
         if depth >= len(path) or (depth > 0 and path[depth - 1] is not self._split):
             return None
         node = path[depth]
         floor = max(self.config.min_count, self.config.min_share * self._split.count)
-        return node if node.count >= floor else None
+        if node.count < floor:
+            return None
+        for here, below in itertools.pairwise(path[depth:]):
+            branches = self._branches(here)
+            if below not in branches:
+                break
+            if len(branches) >= 2:
+                node = below
+        return node
 
     @staticmethod
     def _label(node: _Node) -> str:

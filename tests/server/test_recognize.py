@@ -179,3 +179,18 @@ def test_config_rejects_bad_values():
         RecognizeConfig(max_nodes=0)
     with pytest.raises(ValueError):
         RecognizeConfig(pending_tagged=0)
+
+
+def test_agents_behind_a_shared_team_preamble_stay_apart():
+    org = text("org", 64)
+    team = {t: org + text(f"team-{t}", 160) for t in ("red", "blue")}
+    anchors = {"director": org + text("anchor-director", 120)}
+    anchors |= {f"{t}.{i}": team[t] + text(f"anchor-{t}.{i}", 100 + 20 * i) for t in team for i in range(3)}
+    work = Workload(anchors)
+    route = ["director", "red.0", "red.1", "red.2", "blue.0", "blue.1", "blue.2"]
+    _rounds(work, range(4), route)
+    skip = len(work.seen)
+    _rounds(work, range(4, 10), route)
+    labels = work.labels(skip)
+    assert all(len(labels[a]) == 1 for a in anchors), labels
+    assert len(set.union(*labels.values())) == len(anchors) and None not in set.union(*labels.values())
