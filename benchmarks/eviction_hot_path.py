@@ -18,14 +18,13 @@ import argparse
 import statistics
 import time
 
-import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
+from agentkv.bench.kv_manager import make_manager, serve_once
 from agentkv.protocol import AgentTag
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -35,10 +34,7 @@ HASHER = get_request_block_hasher(BS, sha256)
 
 
 def manager(num_blocks: int) -> KVCacheManager:
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [KVCacheGroupSpec(["l"], spec)]
-    config = KVCacheConfig(num_blocks=num_blocks + 1, kv_cache_tensors=[], kv_cache_groups=groups)
-    return KVCacheManager(config, max_model_len=1 << 16, scheduler_block_size=BS, hash_block_size=BS)
+    return make_manager(num_blocks + 1, BS)
 
 
 def requests(count: int, blocks: int, agents: int, sessions: int) -> list[Request]:
@@ -71,11 +67,7 @@ def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessi
             refresh_start = time.thread_time()
             runtime.refresh()
             refresh_time = time.thread_time() - refresh_start
-        computed, hit, _ = kv.get_computed_blocks(req)
-        kv.record_prefix_cache_stats(req, hit)
-        assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
-        req.num_computed_tokens = req.num_tokens
-        kv.free(req)
+        serve_once(kv, req)
         if index >= num_blocks // blocks:  # the pool is full of cached blocks: every block evicts
             total = time.thread_time() - start
             if runtime is not None:

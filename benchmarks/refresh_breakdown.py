@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from agentkv.bench.kv_manager import serve_once
 from agentkv.graph import score_reuse
 from benchmarks.eviction_hot_path import manager, requests
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
@@ -68,11 +69,7 @@ def main() -> None:
             timed("refresh (all of it)", runtime.refresh)
         else:
             runtime.refresh()
-        computed, hit, _ = kv.get_computed_blocks(req)
-        kv.record_prefix_cache_stats(req, hit)
-        assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
-        req.num_computed_tokens = req.num_tokens
-        kv.free(req)
+        serve_once(kv, req)
     groups = len(runtime.queues[0]._groups)
     print(f"full evaluation at {args.agents} agents, {args.sessions} sessions, {groups} queue groups "
           f"(median µs over {args.steps} steps)")

@@ -20,7 +20,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from agentkv.bench.kv_manager import make_manager
+from agentkv.bench.kv_manager import make_manager, serve_once
 from agentkv.graph import ReuseConfig
 from agentkv.protocol import AgentTag
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
@@ -48,12 +48,7 @@ def run(kv: KVCacheManager, runtime: AgentKVRuntime | None, tokens: list[int], t
     if runtime is not None:
         runtime.on_add_request(req)
         runtime.refresh()
-    computed, hit, _ = kv.get_computed_blocks(req)
-    kv.record_prefix_cache_stats(req, hit)
-    assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
-    req.num_computed_tokens = req.num_tokens
-    kv.free(req)
-    return hit
+    return serve_once(kv, req)
 
 
 def tool_loop_hit(runtime: AgentKVRuntime | None) -> int:

@@ -129,13 +129,17 @@ def test_a_flood_of_random_prompts_stays_within_the_caps():
     assert recognizer.stats()["unrecognized_requests"] == 4000
 
 
-def test_tagged_requests_name_the_anchor_for_untagged_ones():
-    anchors = {a: text(f"anchor-{a}", 120) for a in ("planner", "coder")}
-    recognizer = Recognizer()
+def _tag_five_sessions(recognizer: Recognizer, anchors: dict[str, list[int]]) -> None:
     for s in range(5):
         for agent, anchor in anchors.items():
             prompt = anchor + text(f"task-{s}", 50)
             recognizer.observe_tagged(agent, block_hashes(prompt), prompt, BS)
+
+
+def test_tagged_requests_name_the_anchor_for_untagged_ones():
+    anchors = {a: text(f"anchor-{a}", 120) for a in ("planner", "coder")}
+    recognizer = Recognizer()
+    _tag_five_sessions(recognizer, anchors)
     prompt = anchors["coder"] + text("task-new", 50)
     assert recognizer.recognize("u1", block_hashes(prompt), prompt, BS).agent == "coder"
 
@@ -143,20 +147,14 @@ def test_tagged_requests_name_the_anchor_for_untagged_ones():
 def test_tagged_requests_wait_for_an_untagged_one_and_only_the_latest_count():
     anchors = {a: text(f"anchor-{a}", 120) for a in ("planner", "coder")}
     recognizer = Recognizer(RecognizeConfig(pending_tagged=4))
-    for s in range(5):
-        for agent, anchor in anchors.items():
-            prompt = anchor + text(f"task-{s}", 50)
-            recognizer.observe_tagged(agent, block_hashes(prompt), prompt, BS)
+    _tag_five_sessions(recognizer, anchors)
     assert recognizer.nodes == {} and len(recognizer._pending) == 4  # tags only: no tree at all
     prompt = anchors["coder"] + text("task-new", 50)
     recognizer.recognize("u1", block_hashes(prompt), prompt, BS)
     assert recognizer.root.count == 4 + 1 and not recognizer._pending  # the 6 oldest tagged ones are forgotten
     # the same 10 tagged requests with room for all of them: learned as if observed at once
     recognizer = Recognizer()
-    for s in range(5):
-        for agent, anchor in anchors.items():
-            prompt = anchor + text(f"task-{s}", 50)
-            recognizer.observe_tagged(agent, block_hashes(prompt), prompt, BS)
+    _tag_five_sessions(recognizer, anchors)
     prompt = anchors["coder"] + text("task-new", 50)
     assert recognizer.recognize("u1", block_hashes(prompt), prompt, BS).agent == "coder"
     assert recognizer.root.count == 11
