@@ -29,6 +29,7 @@ __all__ = [
     "HEADER_WARMUP",
     "MAX_ID_LENGTH",
     "PROTOCOL_VERSION",
+    "STATS_MAX_AGE",
     "STATS_PATH",
     "STATS_SCHEMA",
     "XARG_AGENT",
@@ -64,6 +65,9 @@ XARG_STEP: Final = "agentkv_step"
 XARG_WARMUP: Final = "agentkv_warmup"
 
 STATS_PATH: Final = "/agentkv/v1/stats"
+# A stats document may be served again for this long (seconds), so polling cannot stall the
+# engine; a graph fact, a session event or a peer merge makes the next document fresh.
+STATS_MAX_AGE: Final = 0.25
 EVENTS_PATH: Final = "/agentkv/v1/events"
 STATE_PATH: Final = "/agentkv/v1/state"
 MERGE_PATH: Final = "/agentkv/v1/merge"

@@ -98,7 +98,7 @@ class AgentKVRuntime(RuntimeControl):
         self._gaps: GapTable | None = None
         self._built: dict[str, tuple[object, int, float]] = {}
         self._scorer: Callable[[Group], float] = lambda group: 0.0
-        self._stats_cache: tuple[float, int, dict[str, Any]] | None = None  # (built at, facts version, document)
+        self._stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None = None  # (built at, changes, document)
 
     # -- wiring into vLLM ----------------------------------------------------------
 

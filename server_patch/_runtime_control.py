@@ -21,7 +21,14 @@ from agentkv.graph import (
     TransitionLearner,
     save_snapshot,
 )
-from agentkv.protocol import PROTOCOL_VERSION, MalformedCounter, ProtocolError, validate_events, validate_id
+from agentkv.protocol import (
+    PROTOCOL_VERSION,
+    STATS_MAX_AGE,
+    MalformedCounter,
+    ProtocolError,
+    validate_events,
+    validate_id,
+)
 
 from ._config import RuntimeConfig
 from ._recognize import Recognizer
@@ -32,16 +39,13 @@ from ._warmups import WarmupLedger
 __all__ = ["PEER_WEIGHT_FLOOR", "STATS_MAX_AGE", "RuntimeControl"]
 
 PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
-# A stats document is served again for this long (wall seconds): the engine builds at most a few
-# per second however often clients poll stats or /metrics, so polling cannot stall scheduling.
-STATS_MAX_AGE = 0.25
 
 
 class RuntimeControl:
     """Control requests and the stats document of an ``AgentKVRuntime`` (mixed into it).
 
     Invariants: every public entry point holds ``lock``; a stats document is at most
-    ``STATS_MAX_AGE`` seconds old and never older than the last graph fact or session event.
+    ``STATS_MAX_AGE`` seconds old and never older than the last graph fact, session event or merge.
     """
 
     config: RuntimeConfig
@@ -66,7 +70,7 @@ class RuntimeControl:
     policy: str
     anchor_residency: Callable[[str], tuple[int, int]]
     _saved_version: tuple[int, int] | None
-    _stats_cache: tuple[float, int, dict[str, Any]] | None
+    _stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None
 
     # -- control channel -----------------------------------------------------------
 
@@ -139,14 +143,16 @@ class RuntimeControl:
         return {"accepted": accepted, "duplicates": duplicates}
 
     def stats(self, max_age: float = STATS_MAX_AGE) -> dict[str, Any]:
-        """The stats document (docs/protocol.md); at most ``max_age`` seconds old, and never older
-        than the last graph fact or session event."""
+        """The stats document (docs/protocol.md); at most ``max_age`` seconds old (the engine builds
+        at most a few per second however often clients poll, so polling cannot stall scheduling),
+        and never older than the last graph fact, session event or peer merge."""
         now = time.monotonic()
         cached = self._stats_cache
-        if cached is not None and now - cached[0] < max_age and cached[1] == self.facts.version:
+        changes = (self.facts.version, self.learner.peers.version)
+        if cached is not None and now - cached[0] < max_age and cached[1] == changes:
             return cached[2]
         document = self._build_stats()
-        self._stats_cache = (now, self.facts.version, document)
+        self._stats_cache = (now, changes, document)
         return document
 
     def _build_stats(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from agentkv.protocol import STATS_PATH
+from agentkv.protocol import STATS_MAX_AGE, STATS_PATH
 
 __all__ = ["StatsSnapshot", "fetch_stats", "learned", "wait_for"]
 
@@ -48,9 +48,11 @@ class StatsSnapshot:
 
     @classmethod
     def take(cls, base_url: str) -> StatsSnapshot:
+        time.sleep(STATS_MAX_AGE)  # a younger document may predate the traffic sent before the test
         return cls(base_url, fetch_stats(base_url))
 
     def now(self) -> dict[str, Any]:
+        time.sleep(STATS_MAX_AGE)  # ... or predate the test's own last requests
         return fetch_stats(self.base_url)
 
     def delta(self, *path: str, now: Mapping[str, Any] | None = None) -> float:

@@ -11,7 +11,7 @@ import pytest
 from agentkv.bench.serve import prefix_cache_counters
 from agentkv.cluster import Cluster
 from agentkv.frameworks import routing_header, set_routing_key
-from agentkv.protocol import STATS_PATH, AgentTag
+from agentkv.protocol import STATS_MAX_AGE, STATS_PATH, AgentTag
 
 from .conftest import BLOCK
 
@@ -38,6 +38,7 @@ def test_tagged_traffic_reaches_the_replicas_and_learning_is_shared(cluster):
     # agents of this test's own: the module's other tests name "planner" as a parent
     planner, coder = "sync-planner", "sync-coder"
     anchors = {agent: _tokens(f"anchor-{agent}", 8 * BLOCK) for agent in (planner, coder)}
+    time.sleep(STATS_MAX_AGE)  # a younger stats document may predate the module's earlier traffic
     tagged_before = sum(st["tagged_requests"] for st in _stats(cluster))
     with httpx.Client(base_url=cluster.url, timeout=120, trust_env=False) as client:
         for s in range(4):

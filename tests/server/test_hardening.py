@@ -16,9 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_PATH
+from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_MAX_AGE, STATS_PATH
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
-from server_patch._runtime import STATS_MAX_AGE
 
 pytestmark = pytest.mark.server
 

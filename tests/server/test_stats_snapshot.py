@@ -25,6 +25,10 @@ def test_stats_are_reused_briefly_and_rebuilt_after_events_or_expiry(monkeypatch
     payload = {"version": 1, "events": [{"type": "graph", "id": "g1", "nodes": ["a", "b"], "edges": [["a", "b"]]}]}
     assert runtime.handle({"op": "events", "payload": payload})["accepted"] == 1
     assert runtime.stats()["facts"]["edges"] == [["a", "b"]]  # a new fact is seen at once
+    export = {"format": "agentkv.transition-counts", "version": 1, "replica": "peer", "epoch": "e", "sequence": 1,
+              "agents": ["a", "b"], "counts": [[0, 1], [0, 0]], "entry": [0, 0], "ends": [0, 0]}
+    assert runtime.handle({"op": "merge", "payload": export}) == {"merged": True}
+    assert runtime.stats()["learner"]["peers"] == {"peer": 1}  # ... and so is a merge
 
 
 def test_blocks_by_agent_counts_every_tracked_block():
