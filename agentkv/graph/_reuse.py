@@ -262,8 +262,8 @@ def score_reuse(
         row_sums = matrix[rows].sum(axis=1)
         ends_here = np.array([k[4] for k in known])  # learned from session lengths
         stays = np.clip(np.minimum(row_sums, 1.0 - ends_here), 0.0, 1.0 - config.end_floor)
-        # P(the request ended in a tool call): continuation is counted among requests that had a
-        # next one, and a session ends only between dispatches
+        # P(the same dispatch sends another request, e.g. after a tool call): continuation is
+        # counted among requests that had a next one, and a session ends only between dispatches
         going_on = np.array([continuation.get(k[3], 0.0) for k in known])
         tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
         told = [k[5] for k in known]  # given what the server read off the last answer
