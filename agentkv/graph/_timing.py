@@ -134,7 +134,7 @@ class SessionTiming:
         self._continued: dict[str, int] = {}  # per agent: requests followed by one of the same dispatch
         self._handed_off: dict[str, int] = {}  # ... and by another dispatch
         # per agent, after an answer the server was told of: [no tool call, tool call] x [same dispatch, next]
-        self._after_told: dict[str, np.ndarray] = {}
+        self._after_told: dict[tuple[str, bool], list[float]] = {}  # (agent, tool call) -> [same, next]
         self._gaps = 0
         self._starts = 0
         self._first_start: float | None = None
@@ -156,10 +156,8 @@ class SessionTiming:
             self._add_gap(previous.agent, max(0.0, now - previous.seen), same_dispatch)
             counts = self._continued if same_dispatch else self._handed_off
             if previous.tool_call is not None:
-                told = self._after_told.get(previous.agent)
-                if told is None:
-                    told = self._after_told[previous.agent] = np.zeros((2, 2))
-                told[int(previous.tool_call), 0 if same_dispatch else 1] += 1.0
+                told = self._after_told.setdefault((previous.agent, previous.tool_call), [0.0, 0.0])
+                told[0 if same_dispatch else 1] += 1.0
             counts[previous.agent] = counts.get(previous.agent, 0) + 1
             dispatches = previous.dispatches + (not same_dispatch)
         self._sessions[session] = _Session(agent, now, step, dispatches)
@@ -211,7 +209,8 @@ class SessionTiming:
                 self._weight.pop(stale, None)
                 self._continued.pop(stale, None)
                 self._handed_off.pop(stale, None)
-                self._after_told.pop(stale, None)
+                self._after_told.pop((stale, True), None)
+                self._after_told.pop((stale, False), None)
             hist = self._hist[agent] = np.zeros((3, _BINS))
             self._weight[agent] = 1.0
         else:
@@ -248,8 +247,10 @@ class SessionTiming:
         # only the lengths live sessions have; all 0 until enough sessions ended (see end_hazard)
         hazards = {n: self.end_hazard(n) for n in lengths} if self._lengths.sum() >= _MIN_ENDED \
             else dict.fromkeys(lengths, 0.0)
+        pairs = {(state.agent, state.tool_call) for state in self._sessions.values() if state.tool_call is not None}
+        told = {pair: self.continuation_after(*pair) for pair in pairs}  # once per agent and answer kind
         return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH)],
-                 None if state.tool_call is None else self.continuation_after(state.agent, state.tool_call))
+                 told.get((state.agent, state.tool_call)))
                 for s, state in self._sessions.items()]
 
     def last_seen(self, session: str) -> float | None:
@@ -266,10 +267,9 @@ class SessionTiming:
         per agent from the answers the server was told of. Before any evidence a tool call brings
         the agent back (a ReAct loop) and an answer ends its dispatch; a hand-off tool (a
         supervisor's ``transfer_to_x``) is learned as a tool call that does not."""
-        counts = self._after_told.get(agent)
-        row = np.zeros(2) if counts is None else counts[int(tool_call)]
+        same, following = self._after_told.get((agent, tool_call), (0.0, 0.0))
         prior = 1.0 if tool_call else 0.0
-        return float((row[0] + _TOLD_PRIOR * prior) / (row.sum() + _TOLD_PRIOR))
+        return (same + _TOLD_PRIOR * prior) / (same + following + _TOLD_PRIOR)
 
     def continuation(self, agent: str) -> float:
         """P(a request of ``agent`` is followed by another request of the same dispatch)."""
