@@ -7,6 +7,7 @@ add bookkeeping around vLLM's own methods; vLLM keeps every scheduling decision.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -34,7 +35,7 @@ class _AgentKVMixin:
         result = gate()
         config = RuntimeConfig.from_env()
         if not result.enabled:
-            config = RuntimeConfig(enabled=False)
+            config = dataclasses.replace(config, enabled=False)
         self.agentkv = AgentKVRuntime(config)
         self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
         self._agentkv_control = ControlServer(control_endpoint(os.getppid()), self.agentkv.handle)

@@ -84,7 +84,9 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, s
                         f"TTFT mean {row['ttft_mean_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms  "
                         f"turn {row['turn_mean_ms']:.0f} ms  {row['throughput']:.2f} turns/s  ({row['turns']} turns, "
                         f"{row['errors']} errors, load {run.load[0]:.1f}->{run.load[1]:.1f})")
-                    await asyncio.sleep(0.5)  # let the background event posts drain
+                    sink = getattr(app, "sink", None)
+                    if sink is not None:  # the session ends reach the server before the next block
+                        await asyncio.to_thread(sink.flush, 5.0)
     rows = [pooled_row(group) for group in runs.values()]
     result: dict[str, Any] = {"config": _jsonable(asdict(config)), "rows": rows,
                               "comparisons": _comparisons(blocks, config.seed)}
