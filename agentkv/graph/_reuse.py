@@ -1,9 +1,12 @@
 """Next use of every cached group, anchors and session history alike, in one unit.
 
-The value of keeping a block is the rate of its next use: P(used at the k-th next dispatch) /
-(time until that dispatch), summed over the dispatches ahead and, for an agent's anchor, over
-every live session and the sessions yet to start (rates of independent streams add). All values
-are reuses per second, so an anchor, a session's history and an untagged prefix compare directly.
+The value of keeping a block is the rate of its next use, in reuses per second, so that an
+anchor, a session's history and an untagged prefix compare directly. One session's use of a
+prefix at its k-th next dispatch, expected after time t, counts P(use at k) * (1 - exp(-tau/t)) /
+tau: about P/t for t >> tau, and never more than one use per tau, the time resolution (the gap a
+tenth of all learned gaps are shorter than). An anchor's rate combines every live session and the
+sessions yet to start as independent chances of a use within tau, so that many unlikely uses do
+not outweigh one near-certain use.
 """
 
 from __future__ import annotations
@@ -59,9 +62,11 @@ class ReuseConfig:
 
     ``max_steps`` caps the dispatches looked ahead (the sum stops earlier once the chance of a
     first use at a further step is below ``step_tolerance``); ``steps`` fixes the count instead.
-    ``end_floor`` is the least chance that a session ends after any dispatch, ``min_time`` the
-    least time (s) until a next use, ``dead_tail`` the share of an agent's learned gaps beyond
-    which an idle session counts as abandoned (after ``min_gaps`` gaps were seen). An untagged
+    ``end_floor`` is the least chance that a session ends after any dispatch. The time
+    resolution tau is the gap that a share ``resolution_quantile`` of all learned gaps are
+    shorter than, at least ``min_time`` (s): no sooner next use is told apart. ``dead_tail`` is
+    the share of an agent's learned gaps beyond which an idle session counts as abandoned (after
+    ``min_gaps`` gaps were seen). An untagged
     block is valued at ``untagged_weight`` times a typical live session's next use.
     """
 
@@ -71,6 +76,7 @@ class ReuseConfig:
     step_tolerance: float = 0.002
     end_floor: float = 0.02
     min_time: float = 0.05
+    resolution_quantile: float = 0.1
     dead_tail: float = 0.002
     min_gaps: int = 32
     untagged_weight: float = 0.5
@@ -78,19 +84,33 @@ class ReuseConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1 or (self.steps is not None and self.steps < 1):
             raise ValueError("max_steps and steps must be >= 1")
-        if not (0 <= self.r_min <= 1 and 0 <= self.end_floor < 1 and 0 < self.dead_tail < 1):
-            raise ValueError("r_min must be in [0, 1], end_floor in [0, 1), dead_tail in (0, 1)")
+        if not (0 <= self.r_min <= 1 and 0 <= self.end_floor < 1 and 0 < self.dead_tail < 1
+                and 0 <= self.resolution_quantile < 1):
+            raise ValueError("r_min must be in [0, 1], end_floor and resolution_quantile in [0, 1), "
+                             "dead_tail in (0, 1)")
         if not self.min_time > 0 or self.step_tolerance < 0 or self.min_gaps < 1 or not self.untagged_weight > 0:
             raise ValueError("min_time and untagged_weight must be > 0, step_tolerance >= 0, min_gaps >= 1")
 
 
 _FLOOR = 1e-9  # reuses per second of a group nothing will reuse (keeps logs finite)
+_SURE = 1.0 - 1e-9  # the largest chance of a use within the resolution (keeps log1p finite)
 _STEPS = 20  # score resolution: 1/20 of a log unit (5%)
 _LOG_FLOOR = math.floor(math.log(_FLOOR) * _STEPS) / _STEPS
 
 
 def _quantized(logs: np.ndarray) -> np.ndarray:
     return np.floor(logs * _STEPS) / _STEPS
+
+
+def _rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
+    """Reuses per second of one use expected after ``time``: P(within the resolution) / resolution."""
+    return -np.expm1(-resolution / time) / resolution
+
+
+def _combined(rates: Sequence[float], resolution: float) -> float:
+    """The rate of the first use among independent streams: 1 - prod(1 - rate * tau), over tau."""
+    unused = sum(math.log1p(-min(rate * resolution, _SURE)) for rate in rates)
+    return -math.expm1(unused) / resolution
 
 
 def first_passage_within(matrix: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,6 +159,7 @@ class ReuseTable:
     dead: tuple[str, ...]
     steps: int
     horizon_s: float
+    resolution: float
     predictability: float
     predictable: bool
     untagged_weight: float = 0.5
@@ -192,7 +213,8 @@ class ReuseTable:
                 found = columns_of(group.agents)  # type: ignore[union-attr]
                 if len(found) == 1:
                     return anchor_logs[found[0]]
-                return math.floor(math.log(sum(anchor_rates[i] for i in found) + _FLOOR) * _STEPS) / _STEPS
+                combined = _combined([anchor_rates[i] for i in found], self.resolution)
+                return math.floor(math.log(combined + _FLOOR) * _STEPS) / _STEPS
             if not untagged:
                 untagged.append(self._untagged_score())
             return untagged[0]
@@ -249,7 +271,8 @@ def score_reuse(
         passage = first_passage_steps(matrix, config.steps or config.max_steps,
                                       tolerance=0.0 if config.steps else config.step_tolerance)
     steps = len(passage)
-    mean_gap = max(gaps.mean_gap, config.min_time)
+    resolution = max(gaps.quantile(config.resolution_quantile) or 0.0, config.min_time)
+    mean_gap = max(gaps.mean_gap, resolution)
     ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
 
     known = [(entry[0], index[entry[1]], now - entry[2], entry[1], entry[3] if len(entry) > 3 else 0.0,
@@ -274,17 +297,20 @@ def score_reuse(
         total = in_tool + in_handoff + (1.0 - tool) * (1.0 - stays)
         in_tool = np.divide(in_tool, total, out=np.zeros_like(total), where=total > 0)
         in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=total > 0)
-        tool_soon = np.maximum(tool_time, config.min_time)
-        handoff_soon = np.maximum(handoff_time, config.min_time)
+        tool_soon = np.maximum(tool_time, resolution)
+        handoff_soon = np.maximum(handoff_time, resolution)
         after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
         # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
         # the chain's rows lose the chance of ending, which ``stays`` accounts for
-        weights = (in_handoff[None, :] / (handoff_soon[None, :] + ahead[:, None])
-                   + in_tool[None, :] / (after_tool[None, :] + ahead[:, None])) / np.maximum(row_sums, 1e-12)[None, :]
+        weights = (in_handoff[None, :] * _rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
+                   + in_tool[None, :] * _rate_after(after_tool[None, :] + ahead[:, None], resolution)
+                   ) / np.maximum(row_sums, 1e-12)[None, :]
         session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((len(known), 0))
-        session_rate[np.arange(len(known)), rows] += in_tool / tool_soon
+        session_rate[np.arange(len(known)), rows] += in_tool * _rate_after(tool_soon, resolution)
         if interposed is not None and len(interposed) == n:
-            session_rate += (in_handoff / handoff_soon + in_tool / after_tool)[:, None] * interposed[None, :]
+            session_rate += (in_handoff * _rate_after(handoff_soon, resolution)
+                             + in_tool * _rate_after(after_tool, resolution))[:, None] * interposed[None, :]
+        session_rate = np.minimum(session_rate, _SURE / resolution)
         # P(a gap this long | the request's kind): a told answer waits only for a hand-off
         still = tool * tool_left + (1.0 - tool) * handoff_left
         dead = tuple(k[0] for k, s in zip(known, still, strict=True) if s < config.dead_tail) \
@@ -293,16 +319,19 @@ def score_reuse(
         session_rate = np.zeros((0, n))
         dead = ()
 
-    anchor_rate = session_rate.sum(axis=0) if len(known) else np.zeros(n)
+    # log P(no live session uses the anchor within the resolution): sessions are independent
+    unused = np.log1p(-session_rate * resolution).sum(axis=0) if len(known) else np.zeros(n)
     if session_start_rate > 0 and n:
         # first visits from a new session's entry: e_1 = entry, e_k = entry @ F_{k-1} minus revisits
         entry = chain.entry
         first = np.vstack([entry[None, :], entry @ passage[:-1] - entry[None, :] * np.diagonal(passage[:-1], axis1=1,
                                                                                              axis2=2)])
-        anchor_rate = anchor_rate + (np.clip(first, 0.0, 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(
-            axis=0)
+        # sessions yet to start are a Poisson stream of uses at this rate
+        new_rate = (np.clip(first, 0.0, 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(axis=0)
         if interposed is not None and len(interposed) == n:
-            anchor_rate = anchor_rate + session_start_rate * interposed
+            new_rate = new_rate + session_start_rate * interposed
+        unused = unused - new_rate * resolution
+    anchor_rate = -np.expm1(unused) / resolution
     return ReuseTable(
         agents=chain.agents,
         index=index,
@@ -312,6 +341,7 @@ def score_reuse(
         dead=dead,
         steps=steps,
         horizon_s=steps * mean_gap,
+        resolution=resolution,
         predictability=predictability,
         predictable=predictability >= config.r_min,
         untagged_weight=config.untagged_weight,

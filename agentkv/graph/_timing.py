@@ -58,7 +58,8 @@ class GapTable:
     """Read-only per-agent view of the learned gap distributions, evaluated at bin edges.
 
     ``survival[i, b]`` = P(gap > edge b) for agents[i]; ``residual[i, b]`` = the harmonic mean of
-    gap - edge b given gap > edge b; ``mean_gap`` the median gap over all agents. Row
+    gap - edge b given gap > edge b; ``mean_gap`` the median gap over all agents, ``cdf[b]`` the
+    share of all gaps in bins 0..b (empty before any gap was seen). Row
     ``len(agents)`` is the global distribution (agents never seen). ``tool`` and ``handoff``
     hold the same two arrays for the gaps within a dispatch (the agent's tool loop) and the
     gaps to the next dispatch, learned apart: an idle time long past the hand-off gaps says the
@@ -72,9 +73,16 @@ class GapTable:
     mean_gap: float
     tool: tuple[np.ndarray, np.ndarray]
     handoff: tuple[np.ndarray, np.ndarray]
+    cdf: np.ndarray
 
     def row(self, agent: str) -> int:
         return self.index.get(agent, len(self.agents))
+
+    def quantile(self, q: float) -> float | None:
+        """The gap (s, a bin centre) that a share ``q`` of all gaps are shorter than; None before any gap."""
+        if not len(self.cdf):
+            return None
+        return float(_CENTERS[min(int(np.searchsorted(self.cdf, q)), _BINS - 1)])
 
     def at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(P(gap > idle), E[remaining time | gap > idle]) for each (row, idle) pair."""
@@ -291,9 +299,10 @@ class SessionTiming:
         survival, residual, prior = _tables(own[:, _ALL], pooled[_ALL], prior_gaps)
         tool = _tables(own[:, _TOOL], pooled[_TOOL], prior_gaps)[:2]
         handoff = _tables(own[:, _HANDOFF], pooled[_HANDOFF], prior_gaps)[:2]
-        mean_gap = float(_CENTERS[np.searchsorted(np.cumsum(prior), 0.5)]) if pooled[_ALL].sum() > 0 \
+        cdf = np.cumsum(prior) if pooled[_ALL].sum() > 0 else np.zeros(0)
+        mean_gap = float(_CENTERS[min(int(np.searchsorted(cdf, 0.5)), _BINS - 1)]) if len(cdf) \
             else float(_CENTERS.mean())
-        return GapTable(agents, {a: i for i, a in enumerate(agents)}, survival, residual, mean_gap, tool, handoff)
+        return GapTable(agents, {a: i for i, a in enumerate(agents)}, survival, residual, mean_gap, tool, handoff, cdf)
 
     def state_bytes(self) -> int:
         return (len(self._hist) + 1) * 3 * _BINS * 8 + sum(len(s) + 40 for s in self._sessions)

@@ -69,32 +69,60 @@ def _table(learner, timing, sessions, now, **config):
                        config=ReuseConfig(**{"r_min": 0.0, **config}))
 
 
-def test_a_deterministic_ring_values_the_next_agent_at_one_over_the_time_to_it():
+def _within(time: float, resolution: float) -> float:
+    """Reuses per second of one use expected after ``time``: P(within the resolution) / resolution."""
+    return -math.expm1(-resolution / time) / resolution
+
+
+def test_a_deterministic_ring_values_the_next_agent_by_the_time_to_it():
     learner = _learned({("x", "y"): 200, ("y", "z"): 200, ("z", "x"): 200})
     timing = _timing(2.0, "xyz")
     table = _table(learner, timing, [("s", "x", 100.0)], now=100.0)
     rates = {agent: table.session_rate[0, table.index[agent]] for agent in "xyz"}
     # y is next, in about one gap; z one gap later; x itself a gap after that
     assert rates["y"] > rates["z"] > rates["x"] > 0
-    assert rates["y"] == pytest.approx(1 / 2.0, rel=0.3)
-    assert rates["z"] == pytest.approx(1 / 4.0, rel=0.3)
+    assert rates["y"] == pytest.approx(_within(2.0, table.resolution), rel=0.3)
+    assert rates["z"] == pytest.approx(_within(4.0, table.resolution), rel=0.3)
     assert table.score(History("s", frozenset({"y"}))) == pytest.approx(math.log(rates["y"]), abs=0.05)  # quantized
 
 
-def test_history_never_outranks_its_anchor_and_anchors_add_up_over_sessions():
+def test_the_time_resolution_is_a_low_percentile_of_the_learned_gaps():
+    learner = _learned({("x", "y"): 100, ("y", "x"): 100})
+    timing = SessionTiming()
+    for n in range(200):  # gaps of 0.5 s (a fifth of them), 8 s and 15.5 s
+        timing.observe("warm", "xy"[n % 2], n * 8.0 + (0.0 if n % 5 else -7.5))
+    assert _table(learner, timing, [], now=0.0).resolution == pytest.approx(0.5, rel=0.15)
+    assert _table(learner, SessionTiming(), [], now=0.0).resolution == ReuseConfig().min_time  # no gap yet
+
+
+def test_history_never_outranks_its_anchor_and_anchors_combine_sessions_as_independent_chances():
     learner = _learned({("x", "y"): 100, ("y", "x"): 100})
     timing = _timing(1.0, "xy")
     sessions = [("s1", "x", 10.0), ("s2", "x", 10.0), ("s3", "y", 10.0)]
     table = _table(learner, timing, sessions, now=10.5)
+    tau = table.resolution
     assert (table.session_rate <= table.anchor_rate[None, :] + 1e-12).all()
     y = table.index["y"]
-    assert table.anchor_rate[y] == pytest.approx(table.session_rate[:, y].sum())
+    unused = np.log1p(-table.session_rate[:, y] * tau).sum()  # no session uses y within tau
+    assert table.anchor_rate[y] == pytest.approx(-math.expm1(unused) / tau)
     for session, _, _ in sessions:
         for agent in "xy":
             assert table.score(History(session, frozenset(agent))) <= table.score(Anchor(frozenset(agent)))
     # a prefix shared by both agents is used by either of them
     both = table.score(Anchor(frozenset("xy")))
-    assert both == pytest.approx(math.log(table.anchor_rate.sum() + 1e-9), abs=0.05)  # quantized
+    either = -math.expm1(np.log1p(-table.anchor_rate * tau).sum()) / tau
+    assert both == pytest.approx(math.log(either + 1e-9), abs=0.05)  # quantized
+
+
+def test_many_sure_uses_of_an_anchor_count_at_most_one_use_per_resolution():
+    learner = _learned({("x", "y"): 200, ("y", "x"): 200})
+    timing = _timing(2.0, "xy")
+    sessions = [(f"s{i}", "x", 100.0) for i in range(10)]  # every one calls y next, in about 2 s
+    table = _table(learner, timing, sessions, now=100.0)
+    y = table.index["y"]
+    assert table.anchor_rate[y] <= 1.0 / table.resolution
+    # each session's history is worth most of the anchor (adding rates would make it a tenth)
+    assert (table.session_rate[:, y] >= 0.5 * table.anchor_rate[y]).all()
 
 
 def test_a_session_in_a_short_tool_call_outranks_the_anchor_of_a_rare_agent():
