@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -15,6 +17,7 @@ __all__ = ["GapTable", "SessionTiming", "TimingConfig"]
 _EDGES = np.geomspace(0.02, 7200.0, 49)
 _CENTERS = np.sqrt(_EDGES[:-1] * _EDGES[1:])
 _BINS = len(_CENTERS)
+_EDGE_LIST = tuple(_EDGES.tolist())  # bisect on plain floats: a numpy call per gap costs ~20x more
 _ALL, _TOOL, _HANDOFF = 0, 1, 2  # rows of a gap histogram
 _TOLD_PRIOR = 2.0  # answers of evidence the prior of ``continuation_after`` counts for
 _MAX_LENGTH = 64  # session lengths (dispatches) are counted up to this; longer ones share the last bin
@@ -44,8 +47,7 @@ class TimingConfig:
             raise ValueError("max_sessions and max_agents must be >= 1")
 
 
-@dataclass(frozen=True, slots=True)
-class _Session:
+class _Session(NamedTuple):  # a tuple: one is built per request, ~5x faster than a frozen dataclass
     agent: str
     seen: float  # arrival time of the session's last request
     step: int | None
@@ -201,7 +203,7 @@ class SessionTiming:
         self._last_start = now
 
     def _add_gap(self, agent: str, gap: float, same_dispatch: bool) -> None:
-        b = min(max(int(np.searchsorted(_EDGES, gap, side="right")) - 1, 0), _BINS - 1)
+        b = min(max(bisect.bisect_right(_EDGE_LIST, gap) - 1, 0), _BINS - 1)
         hist = self._hist.get(agent)
         if hist is None:
             if len(self._hist) >= self.config.max_agents:
@@ -221,12 +223,15 @@ class SessionTiming:
             weight = 1.0
         self._weight[agent] = weight
         kind = _TOOL if same_dispatch else _HANDOFF
-        hist[(_ALL, kind), b] += weight
+        # element by element: a fancy-indexed += is ~10x slower for two cells
+        hist[_ALL, b] += weight
+        hist[kind, b] += weight
         self._global_weight *= self._decay
         if self._global_weight > 1e100:
             self._global /= self._global_weight
             self._global_weight = 1.0
-        self._global[(_ALL, kind), b] += self._global_weight
+        self._global[_ALL, b] += self._global_weight
+        self._global[kind, b] += self._global_weight
         self._gaps += 1
 
     # -- reading ---------------------------------------------------------------------
