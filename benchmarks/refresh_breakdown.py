@@ -37,7 +37,7 @@ def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
         continuation={a: runtime.timing.continuation(a) for a in chain.agents},
         interposed=runtime.learner.interposed_rate(), predictability=predictability,
         gap_count=runtime.timing.gaps, config=runtime.config.reuse, passage=runtime._passage))
-    scorer = timed("ReuseTable.scorer", lambda: table.scorer(retired=runtime.facts.is_ended))
+    scorer = timed("ReuseTable.scorer", lambda: table.scorer(retired=runtime.facts.ended.__contains__))
     timed("queue.set_group_scores", lambda: runtime.queues[0].set_group_scores(scorer))
 
 

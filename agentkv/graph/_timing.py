@@ -248,15 +248,24 @@ class SessionTiming:
     def sessions(self) -> list[tuple[str, str, float, float, float | None]]:
         """(session, current agent, last arrival, P(it ends here), P(its dispatch goes on) given
         what its last answer was (None: not told)) of every live session, oldest first."""
-        lengths = {min(state.dispatches, _MAX_LENGTH) for state in self._sessions.values()}
-        # only the lengths live sessions have; all 0 until enough sessions ended (see end_hazard)
-        hazards = {n: self.end_hazard(n) for n in lengths} if self._lengths.sum() >= _MIN_ENDED \
-            else dict.fromkeys(lengths, 0.0)
-        pairs = {(state.agent, state.tool_call) for state in self._sessions.values() if state.tool_call is not None}
-        told = {pair: self.continuation_after(*pair) for pair in pairs}  # once per agent and answer kind
-        return [(s, state.agent, state.seen, hazards[min(state.dispatches, _MAX_LENGTH)],
-                 told.get((state.agent, state.tool_call)))
-                for s, state in self._sessions.items()]
+        # one pass; the hazard once per length and the told continuation once per agent and answer
+        # kind (all hazards are 0 until enough sessions ended, see end_hazard)
+        learned = self._lengths.sum() >= _MIN_ENDED
+        hazards: dict[int, float] = {}
+        told: dict[tuple[str, bool], float] = {}
+        out: list[tuple[str, str, float, float, float | None]] = []
+        for session, (agent, seen, _, dispatches, tool_call) in self._sessions.items():
+            length = dispatches if dispatches < _MAX_LENGTH else _MAX_LENGTH
+            hazard = hazards.get(length)
+            if hazard is None:
+                hazard = hazards[length] = self.end_hazard(length) if learned else 0.0
+            going_on: float | None = None
+            if tool_call is not None:
+                going_on = told.get((agent, tool_call))
+                if going_on is None:
+                    going_on = told[agent, tool_call] = self.continuation_after(agent, tool_call)
+            out.append((session, agent, seen, hazard, going_on))
+        return out
 
     def last_seen(self, session: str) -> float | None:
         state = self._sessions.get(session)
