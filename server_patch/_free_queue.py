@@ -292,12 +292,13 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
                 if head_seq == seq and key == group.score + base:
                     break
             heapq.heappop(heap)
-        bound = min((entry[0], entry[1]) for entry in heap[1:3]) if len(heap) > 1 else (math.inf, 0)
+        bound_key, bound_seq = min((entry[0], entry[1]) for entry in heap[1:3]) if len(heap) > 1 else (math.inf, 0)
         blocks, score, by_block = group.blocks, group.score, self._group_by_block
         taken = 0
         while blocks and taken < limit:
             block_id, entry = blocks.popitem(last=False)
-            if taken and (score + entry[2], entry[1]) > bound:
+            # (key, seq) > (bound_key, bound_seq), without building the tuple
+            if taken and ((key := score + entry[2]) > bound_key or (key == bound_key and entry[1] > bound_seq)):
                 blocks[block_id] = entry  # not this run's: back to the group's head
                 blocks.move_to_end(block_id, last=False)
                 break
