@@ -243,8 +243,8 @@ class AgentKVRuntime(RuntimeControl):
             self._scorer = lambda group: _RETIRED if type(group) is History and self.facts.is_ended(
                 group.session) else 0.0
         else:
-            # the ended map's own membership test: one call per history group, not two
-            self._scorer = table.scorer(retired=self.facts.ended.__contains__, retired_score=_RETIRED)
+            # a live view's membership test, in C: it runs for every history group of the queue
+            self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED)
         for queue in self.queues:
             queue.set_group_scores(self._scorer)
 
