@@ -112,7 +112,8 @@ def amortized(args: argparse.Namespace) -> None:
     interval = runtime.config.refresh_interval
     print(f"\nrefresh per engine step at the default AGENTKV_REFRESH_INTERVAL={interval:g} s, "
           f"{args.step_ms:g} ms steps, a new request every step: mean {statistics.mean(times) * 1e6:.0f} µs "
-          f"({len(evaluating)} evaluations in {len(times)} steps, mean {statistics.mean(evaluating) * 1e6:.0f} µs each)")
+          f"({len(evaluating)} evaluations in {len(times)} steps, "
+          f"mean {statistics.mean(evaluating) * 1e6:.0f} µs each)")
 
 
 if __name__ == "__main__":
