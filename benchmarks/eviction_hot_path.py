@@ -9,7 +9,7 @@ what the scheduler calls) runs once per scheduler step, not per block, so it is 
 here every request is its own step and changes the model (the worst case).
 
     .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000] [--agents 24] [--sessions 100]
-        [--refresh-interval 0.05]
+        [--refresh-interval SECONDS]
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--agents", type=int, default=24)
     parser.add_argument("--sessions", type=int, default=100)
-    parser.add_argument("--refresh-interval", type=float, default=0.05, help="AGENTKV_REFRESH_INTERVAL (s)")
+    parser.add_argument("--refresh-interval", type=float, default=RuntimeConfig().refresh_interval,
+                        help="AGENTKV_REFRESH_INTERVAL (s; default: the runtime's)")
     args = parser.parse_args()
     modes = ("vanilla", "agentkv", "agentkv-norecog", "agentkv-disabled")
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
