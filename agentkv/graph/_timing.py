@@ -110,6 +110,15 @@ def _tables(own: np.ndarray, pooled: np.ndarray, prior_gaps: float) -> tuple[np.
     return survival, residual, prior
 
 
+def _zero_rows() -> list[list[float]]:
+    return [[0.0] * _BINS for _ in range(3)]
+
+
+def _divide_rows(rows: list[list[float]], divisor: float) -> None:
+    for row in rows:
+        row[:] = [value / divisor for value in row]
+
+
 class SessionTiming:
     """Per-agent distributions of the time from a session's request to its next request.
 
@@ -128,9 +137,11 @@ class SessionTiming:
     def __init__(self, config: TimingConfig | None = None) -> None:
         self.config = config or TimingConfig()
         self._decay = 2.0 ** (1.0 / self.config.half_life)
-        self._hist: OrderedDict[str, np.ndarray] = OrderedDict()
+        # plain lists, one per row: a request adds to two cells of two of them (numpy element
+        # updates cost ~10x more); ``table`` turns them into arrays
+        self._hist: OrderedDict[str, list[list[float]]] = OrderedDict()
         self._weight: dict[str, float] = {}
-        self._global = np.zeros((3, _BINS))
+        self._global = _zero_rows()
         self._global_weight = 1.0
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._continued: dict[str, int] = {}  # per agent: requests followed by one of the same dispatch
@@ -213,25 +224,24 @@ class SessionTiming:
                 self._handed_off.pop(stale, None)
                 self._after_told.pop((stale, True), None)
                 self._after_told.pop((stale, False), None)
-            hist = self._hist[agent] = np.zeros((3, _BINS))
+            hist = self._hist[agent] = _zero_rows()
             self._weight[agent] = 1.0
         else:
             self._hist.move_to_end(agent)
         weight = self._weight[agent] * self._decay
         if weight > 1e100:  # rescale: counts are stored multiplied by the growing weight
-            hist /= weight
+            _divide_rows(hist, weight)
             weight = 1.0
         self._weight[agent] = weight
         kind = _TOOL if same_dispatch else _HANDOFF
-        # element by element: a fancy-indexed += is ~10x slower for two cells
-        hist[_ALL, b] += weight
-        hist[kind, b] += weight
+        hist[_ALL][b] += weight
+        hist[kind][b] += weight
         self._global_weight *= self._decay
         if self._global_weight > 1e100:
-            self._global /= self._global_weight
+            _divide_rows(self._global, self._global_weight)
             self._global_weight = 1.0
-        self._global[_ALL, b] += self._global_weight
-        self._global[kind, b] += self._global_weight
+        self._global[_ALL][b] += self._global_weight
+        self._global[kind][b] += self._global_weight
         self._gaps += 1
 
     # -- reading ---------------------------------------------------------------------
@@ -299,8 +309,9 @@ class SessionTiming:
     def table(self) -> GapTable:
         """Survival and time left of every agent's gap distribution, at the bin edges."""
         agents = tuple(self._hist)
-        own = np.array([self._hist[a] / self._weight[a] for a in agents]).reshape(len(agents), 3, _BINS)
-        pooled = self._global / self._global_weight
+        own = np.array([self._hist[a] for a in agents], dtype=float).reshape(len(agents), 3, _BINS) \
+            / np.array([self._weight[a] for a in agents], dtype=float).reshape(-1, 1, 1)
+        pooled = np.array(self._global) / self._global_weight
         prior_gaps = self.config.prior_gaps
         survival, residual, prior = _tables(own[:, _ALL], pooled[_ALL], prior_gaps)
         tool = _tables(own[:, _TOOL], pooled[_TOOL], prior_gaps)[:2]
