@@ -15,6 +15,7 @@ here every request is its own step and changes the model (the worst case).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -52,6 +53,7 @@ def requests(count: int, blocks: int, agents: int, sessions: int) -> list[Reques
 def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int,
         refresh_interval: float) -> tuple[float, float]:
     """(µs per allocated block on the allocation path, µs per refresh)."""
+    gc.collect()  # the previous run's manager and runtime (cycles) must not weigh on this run's collections
     kv = manager(num_blocks)
     runtime = None
     if mode != "vanilla":

@@ -113,7 +113,7 @@ def amortized(args: argparse.Namespace) -> None:
     print(f"\nrefresh per engine step at the default AGENTKV_REFRESH_INTERVAL={interval:g} s, "
           f"{args.step_ms:g} ms steps, a new request every step: mean {statistics.mean(times) * 1e6:.0f} µs "
           f"({len(evaluating)} evaluations in {len(times)} steps, "
-          f"mean {statistics.mean(evaluating) * 1e6:.0f} µs each)")
+          f"mean {statistics.mean(evaluating) * 1e6:.0f} µs each, median {statistics.median(evaluating) * 1e6:.0f})")
 
 
 if __name__ == "__main__":

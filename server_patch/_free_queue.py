@@ -157,9 +157,13 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
                 changed.append(group)
         if 4 * len(changed) > len(self._groups):
             self._rebuild_heap()
-        else:  # the old entries of changed groups go stale (their key no longer matches)
-            for group in changed:
-                self._push_head(group)
+        elif changed:  # the old entries of changed groups go stale (their key no longer matches)
+            heap, push = self._heap, heapq.heappush
+            for group in changed:  # _push_head inlined, compacting once at the end
+                _, seq, base = next(iter(group.blocks.values()))
+                push(heap, (group.score + base, seq, group))
+            if len(heap) > 2 * len(self._groups) + _HEAP_SLACK:
+                self._rebuild_heap()
 
     def _checked_score(self, key: K) -> float:
         score = self._score_of(key)
@@ -272,8 +276,12 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        self._heap = [_head_entry(group) for group in self._groups.values()]
-        heapq.heapify(self._heap)
+        heap: list[_HeapEntry[K]] = []
+        for group in self._groups.values():  # _head_entry inlined: this runs for every group
+            _, seq, base = next(iter(group.blocks.values()))
+            heap.append((group.score + base, seq, group))
+        heapq.heapify(heap)
+        self._heap = heap
 
     def _pop_min_run(self, limit: int, out: list[KVCacheBlock]) -> None:
         """Detach tail blocks in eviction-key order into ``out``, at most ``limit``.
