@@ -105,7 +105,7 @@ SETTINGS: tuple[Setting, ...] = (
             "(learned: up to 24, until no first use further on is likely)", _number(int, 1)),
     Setting("r-min", "AGENTKV_R_MIN", "R", "0.2", "below this predictability R every agent scores alike: "
             "plain LRU", _number(float, 0, high=1)),
-    Setting("refresh-interval", "AGENTKV_REFRESH_INTERVAL", "SECONDS", "0", "least seconds between two "
+    Setting("refresh-interval", "AGENTKV_REFRESH_INTERVAL", "SECONDS", "0.1", "least seconds between two "
             "evaluations of the next-use model (a session event applies at once)", _number(float, 0)),
     Setting("decay", "AGENTKV_DECAY", "LAMBDA", "1/60", "per second, of the recency tie-break between "
             "blocks of close value", _number(float, 0)),

@@ -9,12 +9,13 @@ what the scheduler calls) runs once per scheduler step, not per block, so it is 
 here every request is its own step and changes the model (the worst case).
 
     .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000] [--agents 24] [--sessions 100]
-        [--refresh-interval 0.05]
+        [--refresh-interval SECONDS]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -52,6 +53,7 @@ def requests(count: int, blocks: int, agents: int, sessions: int) -> list[Reques
 def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int,
         refresh_interval: float) -> tuple[float, float]:
     """(µs per allocated block on the allocation path, µs per refresh)."""
+    gc.collect()  # the previous run's manager and runtime (cycles) must not weigh on this run's collections
     kv = manager(num_blocks)
     runtime = None
     if mode != "vanilla":
@@ -85,7 +87,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--agents", type=int, default=24)
     parser.add_argument("--sessions", type=int, default=100)
-    parser.add_argument("--refresh-interval", type=float, default=0.05, help="AGENTKV_REFRESH_INTERVAL (s)")
+    parser.add_argument("--refresh-interval", type=float, default=RuntimeConfig().refresh_interval,
+                        help="AGENTKV_REFRESH_INTERVAL (s; default: the runtime's)")
     args = parser.parse_args()
     modes = ("vanilla", "agentkv", "agentkv-norecog", "agentkv-disabled")
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
@@ -95,14 +98,17 @@ def main() -> None:
                                      args.sessions, args.refresh_interval))
     print(f"eviction hot path: {args.blocks} cached blocks, {args.blocks_per_request} blocks/request, "
           f"{args.cycles} requests x {args.repeats} repeats, {args.sessions} sessions, {args.agents} agents (medians)")
-    print("| mode | µs / allocated block | ratio to vanilla | refresh µs / step |")
+    print("| mode | µs / allocated block | ratio to vanilla (median of paired repeats) | refresh µs / step |")
     print("|---|---:|---:|---:|")
-    vanilla = statistics.median(a for a, _ in samples["vanilla"])
+    vanilla = [a for a, _ in samples["vanilla"]]
     for mode in modes:
         per_block = statistics.median(a for a, _ in samples[mode])
         per_step = statistics.median(r for _, r in samples[mode])
+        # each repeat's ratio to the vanilla run just before it, then the median: the load of a
+        # shared machine drifts between repeats more than within one
+        ratio = statistics.median(a / v for (a, _), v in zip(samples[mode], vanilla, strict=True))
         step = "-" if mode == "vanilla" else f"{per_step:.0f}"
-        print(f"| {mode} | {per_block:.2f} | {per_block / vanilla:.2f}x | {step} |")
+        print(f"| {mode} | {per_block:.2f} | {ratio:.2f}x | {step} |")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ step evaluates the model. After the warm-up it times, step by step, the parts th
 ``ReuseTable.scorer``, re-scoring the queue's groups), then the whole refresh (whose re-scoring
 then finds the scores just set); medians over the steps.
 
+Then what a scheduler step pays at the runtime's default ``AGENTKV_REFRESH_INTERVAL``: engine steps
+of ``--step-ms`` (simulated), each admitting one new request (so the model changes at every
+step), the refresh timed at every step; the mean over the steps amortizes the evaluations.
+
     .venv/bin/python benchmarks/refresh_breakdown.py [--agents 24] [--sessions 100] [--steps 1500] [--rate 10]
+        [--step-ms 20]
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
         continuation={a: runtime.timing.continuation(a) for a in chain.agents},
         interposed=runtime.learner.interposed_rate(), predictability=predictability,
         gap_count=runtime.timing.gaps, config=runtime.config.reuse, passage=runtime._passage))
-    scorer = timed("ReuseTable.scorer", lambda: table.scorer(retired=runtime.facts.is_ended))
+    scorer = timed("ReuseTable.scorer", lambda: table.scorer(retired=runtime.facts.ended.keys().__contains__))
     timed("queue.set_group_scores", lambda: runtime.queues[0].set_group_scores(scorer))
 
 
@@ -48,7 +53,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--warmup", type=int, default=600)
     parser.add_argument("--rate", type=float, default=10.0, help="requests per (simulated) second")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="engine step of the amortized run (simulated)")
     args = parser.parse_args()
+    full_evaluation(args)
+    amortized(args)
+
+
+def full_evaluation(args: argparse.Namespace) -> None:
     kv = manager(4096)
     arrived = [0]  # requests so far: the simulated clock (a real one makes every run score differently)
     runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=lambda: arrived[0] / args.rate)
@@ -77,6 +88,32 @@ def main() -> None:
     print("|---|---:|")
     for name, samples in parts.items():
         print(f"| {name} | {statistics.median(samples) * 1e6:.0f} |")
+
+
+def amortized(args: argparse.Namespace) -> None:
+    kv = manager(4096)
+    steps = [0]
+    runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: steps[0] * args.step_ms / 1000)
+    runtime.install(kv)
+    times: list[float] = []
+    evaluating: list[float] = []
+    for index, req in enumerate(requests(4096 // 16 + args.warmup + args.steps, 16, args.agents, args.sessions)):
+        steps[0] = index
+        runtime.on_add_request(req)
+        before = runtime._scored_at
+        start = time.thread_time()
+        runtime.refresh()
+        elapsed = time.thread_time() - start
+        if index >= 4096 // 16 + args.warmup:
+            times.append(elapsed)
+            if runtime._scored_at != before:
+                evaluating.append(elapsed)
+        serve_once(kv, req)
+    interval = runtime.config.refresh_interval
+    print(f"\nrefresh per engine step at the default AGENTKV_REFRESH_INTERVAL={interval:g} s, "
+          f"{args.step_ms:g} ms steps, a new request every step: mean {statistics.mean(times) * 1e6:.0f} µs "
+          f"({len(evaluating)} evaluations in {len(times)} steps, "
+          f"mean {statistics.mean(evaluating) * 1e6:.0f} µs each, median {statistics.median(evaluating) * 1e6:.0f})")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ class RuntimeConfig:
     learner: LearnerConfig = field(default_factory=lambda: LearnerConfig(half_life=5000, session_ttl=600))
     decay: float = DEFAULT_DECAY
     recognize: bool = True  # recognize agents and sessions of untagged requests
-    refresh_interval: float = 0.0  # least clock time between two evaluations of the next-use model
+    refresh_interval: float = 0.1  # least clock time between two evaluations of the next-use model (s)
     snapshot_path: str | None = None
     snapshot_interval: float = 30.0  # seconds between periodic saves (0: only at shutdown)
     listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER

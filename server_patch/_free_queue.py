@@ -157,9 +157,13 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
                 changed.append(group)
         if 4 * len(changed) > len(self._groups):
             self._rebuild_heap()
-        else:  # the old entries of changed groups go stale (their key no longer matches)
-            for group in changed:
-                self._push_head(group)
+        elif changed:  # the old entries of changed groups go stale (their key no longer matches)
+            heap, push = self._heap, heapq.heappush
+            for group in changed:  # _push_head inlined, compacting once at the end
+                _, seq, base = next(iter(group.blocks.values()))
+                push(heap, (group.score + base, seq, group))
+            if len(heap) > 2 * len(self._groups) + _HEAP_SLACK:
+                self._rebuild_heap()
 
     def _checked_score(self, key: K) -> float:
         score = self._score_of(key)
@@ -272,8 +276,12 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        self._heap = [_head_entry(group) for group in self._groups.values()]
-        heapq.heapify(self._heap)
+        heap: list[_HeapEntry[K]] = []
+        for group in self._groups.values():  # _head_entry inlined: this runs for every group
+            _, seq, base = next(iter(group.blocks.values()))
+            heap.append((group.score + base, seq, group))
+        heapq.heapify(heap)
+        self._heap = heap
 
     def _pop_min_run(self, limit: int, out: list[KVCacheBlock]) -> None:
         """Detach tail blocks in eviction-key order into ``out``, at most ``limit``.
@@ -292,12 +300,13 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
                 if head_seq == seq and key == group.score + base:
                     break
             heapq.heappop(heap)
-        bound = min((entry[0], entry[1]) for entry in heap[1:3]) if len(heap) > 1 else (math.inf, 0)
+        bound_key, bound_seq = min((entry[0], entry[1]) for entry in heap[1:3]) if len(heap) > 1 else (math.inf, 0)
         blocks, score, by_block = group.blocks, group.score, self._group_by_block
         taken = 0
         while blocks and taken < limit:
             block_id, entry = blocks.popitem(last=False)
-            if taken and (score + entry[2], entry[1]) > bound:
+            # (key, seq) > (bound_key, bound_seq), without building the tuple
+            if taken and ((key := score + entry[2]) > bound_key or (key == bound_key and entry[1] > bound_seq)):
                 blocks[block_id] = entry  # not this run's: back to the group's head
                 blocks.move_to_end(block_id, last=False)
                 break

@@ -243,7 +243,8 @@ class AgentKVRuntime(RuntimeControl):
             self._scorer = lambda group: _RETIRED if type(group) is History and self.facts.is_ended(
                 group.session) else 0.0
         else:
-            self._scorer = table.scorer(retired=self.facts.is_ended, retired_score=_RETIRED)
+            # a live view's membership test, in C: it runs for every history group of the queue
+            self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED)
         for queue in self.queues:
             queue.set_group_scores(self._scorer)
 
@@ -256,8 +257,8 @@ class AgentKVRuntime(RuntimeControl):
                                                 tolerance=0.0 if config.steps else config.step_tolerance)
         if self._gaps is None or self._stale("gaps", self.timing.gap_agents, self.timing.gaps, now):
             self._gaps = self.timing.table()
-        facts = self.facts
-        sessions = [entry for entry in self.timing.sessions() if not facts.is_ended(entry[0])]
+        ended = self.facts.ended
+        sessions = [entry for entry in self.timing.sessions() if entry[0] not in ended]
         interposed = getattr(self.learner, "interposed_rate", None)
         return score_reuse(
             chain,

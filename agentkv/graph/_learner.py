@@ -150,9 +150,10 @@ class TransitionLearner:
             self._correct += hit
             self._recent.append((self._dispatches, hit))
             learned = LearnedTransition(previous_index, self._weight, best, self._dispatches, hit)
-            row = self._counts[previous_index]
-            row[index] += self._weight
-            if best < 0 or row[index] > row[best]:
+            counts = self._counts  # element reads and writes: no row view per dispatch
+            count = counts[previous_index, index] + self._weight
+            counts[previous_index, index] = count
+            if best < 0 or count > counts[previous_index, best]:
                 self._best[previous_index] = index
         if session is not None:
             self._sessions[session] = SessionLineage(index, now, step, learned)

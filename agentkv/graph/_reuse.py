@@ -190,11 +190,11 @@ class ReuseTable:
         columns: dict[frozenset[str], tuple[int, ...]] = {}
 
         def columns_of(agents: frozenset[str]) -> tuple[int, ...]:
-            found = columns.get(agents)
-            if found is None:
-                found = columns[agents] = tuple(i for a in agents if (i := index.get(a)) is not None)
+            found = columns[agents] = tuple(i for a in agents if (i := index.get(a)) is not None)
             return found
 
+        # called for every group of the free queue at every refresh: the common cases (one agent)
+        # take one dictionary read each and no further call
         def score(group: Group) -> float:
             kind = type(group)
             if kind is History:
@@ -204,13 +204,15 @@ class ReuseTable:
                 row = sessions.get(session)
                 if row is None:
                     return _LOG_FLOOR
-                found = columns_of(group.agents)  # type: ignore[union-attr]
+                agents = group.agents  # type: ignore[union-attr]
+                found = columns.get(agents) or columns_of(agents)
                 logs = session_logs[row]
                 if len(found) == 1:
                     return logs[found[0]]
                 return max((logs[i] for i in found), default=_LOG_FLOOR)
             if kind is Anchor:
-                found = columns_of(group.agents)  # type: ignore[union-attr]
+                agents = group.agents  # type: ignore[union-attr]
+                found = columns.get(agents) or columns_of(agents)
                 if len(found) == 1:
                     return anchor_logs[found[0]]
                 combined = _combined([anchor_rates[i] for i in found], self.resolution)
