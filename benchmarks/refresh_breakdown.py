@@ -41,7 +41,8 @@ def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
         chain, runtime._gaps, live, now=now, session_start_rate=runtime.timing.session_rate(now),
         continuation={a: runtime.timing.continuation(a) for a in chain.agents},
         interposed=runtime.learner.interposed_rate(), predictability=predictability,
-        gap_count=runtime.timing.gaps, config=runtime.config.reuse, passage=runtime._passage))
+        gap_count=runtime.timing.gaps, config=runtime.config.reuse, passage=runtime._passage,
+        end_hazard=runtime.timing.end_hazards()))
     scorer = timed("ReuseTable.scorer", lambda: table.scorer(retired=runtime.facts.ended.keys().__contains__))
     timed("queue.set_group_scores", lambda: runtime.queues[0].set_group_scores(scorer))
 

@@ -272,6 +272,7 @@ class AgentKVRuntime(RuntimeControl):
             gap_count=self.timing.gaps,
             config=config,
             passage=self._passage,
+            end_hazard=self.timing.end_hazards(),
         )
 
     def _stale(self, name: str, shape: object, evidence: int, now: float) -> bool:

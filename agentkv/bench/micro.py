@@ -88,7 +88,7 @@ def _measure(n: int, sessions: int) -> dict[str, float]:
                            session_start_rate=timing.session_rate(clock[0]),
                            continuation={a: timing.continuation(a) for a in chain.agents}, interposed=None,
                            predictability=learner.predictability(), gap_count=timing.gaps, config=config,
-                           passage=passage)
+                           passage=passage, end_hazard=timing.end_hazards())
 
     table = evaluate()
     score = table.scorer()  # type: ignore[attr-defined]

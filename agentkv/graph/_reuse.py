@@ -244,8 +244,8 @@ class ReuseTable:
 def score_reuse(
     chain: ChainModel,
     gaps: GapTable,
-    sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, float]
-                       | tuple[str, str, float, float, float | None]],
+    sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, int]
+                       | tuple[str, str, float, int, float | None]],
     *,
     now: float,
     session_start_rate: float,
@@ -255,14 +255,16 @@ def score_reuse(
     gap_count: int,
     config: ReuseConfig,
     passage: np.ndarray | None = None,
+    end_hazard: np.ndarray | None = None,
 ) -> ReuseTable:
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
-    ``sessions``: (session, current agent, last arrival[, P(the session ends after its current
-    dispatch), from the lengths of ended sessions[, P(its dispatch goes on) given whether its
-    last answer called a tool, None when not told]]) of the live sessions;
-    ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of a is
-    followed by another request of the same dispatch); ``interposed[a]``: calls of a made
+    ``sessions``: (session, current agent, last arrival[, dispatches so far[, P(its dispatch goes
+    on) given whether its last answer called a tool, None when not told]]) of the live sessions;
+    ``end_hazard[n - 1]``: P(a session ends after its n-th dispatch | it lasted that long), the
+    last entry for all longer ones (None: sessions never end), learned from ended sessions'
+    lengths; ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of
+    a is followed by another request of the same dispatch); ``interposed[a]``: calls of a made
     between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
     ``first_passage_steps`` of this chain.
     """
@@ -277,22 +279,31 @@ def score_reuse(
     mean_gap = max(gaps.mean_gap, resolution)
     ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
 
-    known = [(entry[0], index[entry[1]], now - entry[2], entry[1], entry[3] if len(entry) > 3 else 0.0,
-              entry[4] if len(entry) > 4 else None) for entry in sessions if entry[1] in index]
-    rows = np.array([k[1] for k in known], dtype=np.intp)
-    idle = np.array([max(k[2], 0.0) for k in known])
-    gap_rows = np.array([gaps.row(k[3]) for k in known], dtype=np.intp)
-    if len(known):
+    hazard = end_hazard if end_hazard is not None and len(end_hazard) else np.zeros(1)
+    names: list[str] = []
+    columns: list[tuple[int, float, int, int, float, float]] = []  # one pass over the live sessions
+    for entry in sessions:
+        agent = entry[1]
+        row = index.get(agent)
+        if row is None:
+            continue
+        told = entry[4] if len(entry) > 4 else None
+        names.append(entry[0])
+        length = min(max(entry[3], 1), len(hazard)) if len(entry) > 3 else 1
+        columns.append((row, max(now - entry[2], 0.0), gaps.row(agent), length, continuation.get(agent, 0.0),
+                        math.nan if told is None else told))
+    known = len(names)
+    if known:
+        values = np.array(columns).T
+        rows, gap_rows, done = values[0].astype(np.intp), values[2].astype(np.intp), values[3].astype(np.intp)
+        idle, going_on, told = values[1], values[4], values[5]
         tool_left, tool_time, handoff_left, handoff_time = gaps.split_at(gap_rows, idle)
         row_sums = matrix[rows].sum(axis=1)
-        ends_here = np.array([k[4] for k in known])  # learned from session lengths
-        stays = np.clip(np.minimum(row_sums, 1.0 - ends_here), 0.0, 1.0 - config.end_floor)
+        stays = np.clip(np.minimum(row_sums, 1.0 - hazard[done - 1]), 0.0, 1.0 - config.end_floor)
         # P(the same dispatch sends another request, e.g. after a tool call): continuation is
         # counted among requests that had a next one, and a session ends only between dispatches
-        going_on = np.array([continuation.get(k[3], 0.0) for k in known])
         tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
-        told = [k[5] for k in known]  # given what the server read off the last answer
-        tool = np.array([t if going is None else going for t, going in zip(tool, told, strict=True)])
+        tool = np.where(np.isnan(told), tool, told)  # given what the server read off the last answer
         # which of tool call, next dispatch and end the session is in, given its idle time
         in_tool = tool * tool_left
         in_handoff = (1.0 - tool) * stays * handoff_left
@@ -304,30 +315,36 @@ def score_reuse(
         after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
         # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
         # the chain's rows lose the chance of ending, which ``stays`` accounts for
+        # P(the session still runs at its k-th next dispatch): it did not end after any before
+        after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
+        alive = np.vstack([np.ones((1, known)), np.cumprod(1.0 - hazard[after], axis=0)])
         weights = (in_handoff[None, :] * _rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
                    + in_tool[None, :] * _rate_after(after_tool[None, :] + ahead[:, None], resolution)
-                   ) / np.maximum(row_sums, 1e-12)[None, :]
-        session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((len(known), 0))
-        session_rate[np.arange(len(known)), rows] += in_tool * _rate_after(tool_soon, resolution)
+                   ) * alive / np.maximum(row_sums, 1e-12)[None, :]
+        session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((known, 0))
+        session_rate[np.arange(known), rows] += in_tool * _rate_after(tool_soon, resolution)
         if interposed is not None and len(interposed) == n:
             session_rate += (in_handoff * _rate_after(handoff_soon, resolution)
                              + in_tool * _rate_after(after_tool, resolution))[:, None] * interposed[None, :]
         session_rate = np.minimum(session_rate, _SURE / resolution)
         # P(a gap this long | the request's kind): a told answer waits only for a hand-off
         still = tool * tool_left + (1.0 - tool) * handoff_left
-        dead = tuple(k[0] for k, s in zip(known, still, strict=True) if s < config.dead_tail) \
+        dead = tuple(name for name, s in zip(names, still, strict=True) if s < config.dead_tail) \
             if gap_count >= config.min_gaps else ()
     else:
         session_rate = np.zeros((0, n))
         dead = ()
 
     # log P(no live session uses the anchor within the resolution): sessions are independent
-    unused = np.log1p(-session_rate * resolution).sum(axis=0) if len(known) else np.zeros(n)
+    unused = np.log1p(-session_rate * resolution).sum(axis=0) if known else np.zeros(n)
     if session_start_rate > 0 and n:
         # first visits from a new session's entry: e_1 = entry, e_k = entry @ F_{k-1} minus revisits
         entry = chain.entry
         first = np.vstack([entry[None, :], entry @ passage[:-1] - entry[None, :] * np.diagonal(passage[:-1], axis1=1,
                                                                                              axis2=2)])
+        # ... made while the new session still runs
+        first = first * np.cumprod(np.concatenate([[1.0], 1.0 - hazard[np.minimum(np.arange(1, steps),
+                                                                                  len(hazard)) - 1]]))[:, None]
         # sessions yet to start are a Poisson stream of uses at this rate
         new_rate = (np.clip(first, 0.0, 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(axis=0)
         if interposed is not None and len(interposed) == n:
@@ -338,7 +355,7 @@ def score_reuse(
         agents=chain.agents,
         index=index,
         anchor_rate=anchor_rate,
-        sessions={k[0]: i for i, k in enumerate(known)},
+        sessions={name: i for i, name in enumerate(names)},
         session_rate=session_rate,
         dead=dead,
         steps=steps,

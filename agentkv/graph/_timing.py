@@ -202,14 +202,14 @@ class SessionTiming:
             self._lengths[min(state.dispatches, _MAX_LENGTH) - 1] += 1.0
             self.version += 1
 
-    def end_hazard(self, dispatches: int) -> float:
-        """P(a session ends after its ``dispatches``-th dispatch | it lasted that long), learned
-        from the lengths of ended sessions (0 until ``_MIN_ENDED`` have ended)."""
+    def end_hazards(self) -> np.ndarray:
+        """``h[n - 1]`` = P(a session ends after its n-th dispatch | it lasted that long), learned
+        from the lengths of ended sessions (all 0 until ``_MIN_ENDED`` have ended); the last
+        entry holds for every longer session."""
         if self._lengths.sum() < _MIN_ENDED:
-            return 0.0
-        n = min(dispatches, _MAX_LENGTH) - 1
-        tail = float(self._lengths[n:].sum())
-        return float(self._lengths[n]) / (tail + 1.0)  # +1: one unseen longer session keeps it below 1
+            return np.zeros(_MAX_LENGTH)
+        tail = np.cumsum(self._lengths[::-1])[::-1]
+        return self._lengths / (tail + 1.0)  # +1: one unseen longer session keeps it below 1
 
     def _note_start(self, now: float) -> None:
         self._starts += 1
@@ -263,26 +263,18 @@ class SessionTiming:
         """How many agents have a gap distribution of their own (the rows of ``table``)."""
         return len(self._hist)
 
-    def sessions(self) -> list[tuple[str, str, float, float, float | None]]:
-        """(session, current agent, last arrival, P(it ends here), P(its dispatch goes on) given
+    def sessions(self) -> list[tuple[str, str, float, int, float | None]]:
+        """(session, current agent, last arrival, dispatches so far, P(its dispatch goes on) given
         what its last answer was (None: not told)) of every live session, oldest first."""
-        # one pass; the hazard once per length and the told continuation once per agent and answer
-        # kind (all hazards are 0 until enough sessions ended, see end_hazard)
-        learned = self._lengths.sum() >= _MIN_ENDED
-        hazards: dict[int, float] = {}
-        told: dict[tuple[str, bool], float] = {}
-        out: list[tuple[str, str, float, float, float | None]] = []
+        told: dict[tuple[str, bool], float] = {}  # once per agent and answer kind
+        out: list[tuple[str, str, float, int, float | None]] = []
         for session, (agent, seen, _, dispatches, tool_call) in self._sessions.items():
-            length = dispatches if dispatches < _MAX_LENGTH else _MAX_LENGTH
-            hazard = hazards.get(length)
-            if hazard is None:
-                hazard = hazards[length] = self.end_hazard(length) if learned else 0.0
             going_on: float | None = None
             if tool_call is not None:
                 going_on = told.get((agent, tool_call))
                 if going_on is None:
                     going_on = told[agent, tool_call] = self.continuation_after(agent, tool_call)
-            out.append((session, agent, seen, hazard, going_on))
+            out.append((session, agent, seen, dispatches, going_on))
         return out
 
     def last_seen(self, session: str) -> float | None:

@@ -277,14 +277,38 @@ def test_timing_state_is_bounded():
 
 def test_session_lengths_give_the_hazard_of_ending_here():
     timing = SessionTiming()
-    assert timing.end_hazard(3) == 0.0  # nothing ended yet: no opinion
+    assert not timing.end_hazards().any()  # nothing ended yet: no opinion
     for n in range(20):  # every session runs exactly 3 dispatches, then ends
         for step in range(3):
             timing.observe(f"s{n}", "xyz"[step], 10.0 * n + step, step=step)
         timing.end(f"s{n}")
-    assert timing.end_hazard(1) == 0.0
-    assert timing.end_hazard(3) > 0.9
+    hazards = timing.end_hazards()
+    assert hazards[0] == hazards[1] == 0.0
+    assert hazards[2] > 0.9
     timing.observe("live", "x", 500.0, step=0)
     timing.observe("live", "y", 501.0, step=1)
     timing.observe("live", "z", 502.0, step=2)
-    assert timing.sessions()[-1][3] == pytest.approx(timing.end_hazard(3))
+    assert timing.sessions()[-1][3] == 3
+
+
+def test_uses_beyond_a_sessions_learned_end_count_for_nothing():
+    learner = _learned({("x", "y"): 200, ("y", "z"): 200, ("z", "x"): 200})
+    timing = SessionTiming()
+    for n in range(20):  # every session runs x, y, z, then ends
+        for step in range(3):
+            timing.observe(f"s{n}", "xyz"[step], 10.0 * n + step, step=step)
+        timing.end(f"s{n}")
+    timing.observe("live", "x", 500.0, step=0)
+    chain = Predictor(learner).chain()
+
+    def rates(end_hazard):
+        table = score_reuse(chain, timing.table(), timing.sessions(), now=500.5, session_start_rate=0.0,
+                            continuation={}, interposed=None, predictability=1.0, gap_count=timing.gaps,
+                            config=ReuseConfig(r_min=0.0), end_hazard=end_hazard)
+        return {agent: table.session_rate[0, table.index[agent]] for agent in "xyz"}
+
+    forever, learned = rates(None), rates(timing.end_hazards())
+    # y and z come in this session's 2nd and 3rd dispatches; x again only in a 4th, which never comes
+    assert learned["y"] == pytest.approx(forever["y"], rel=0.01)
+    assert learned["z"] == pytest.approx(forever["z"], rel=0.01)
+    assert forever["x"] > 0 and learned["x"] < 0.1 * forever["x"]
