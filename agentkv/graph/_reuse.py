@@ -313,11 +313,11 @@ def score_reuse(
         tool_soon = np.maximum(tool_time, resolution)
         handoff_soon = np.maximum(handoff_time, resolution)
         after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
-        # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
-        # the chain's rows lose the chance of ending, which ``stays`` accounts for
         # P(the session still runs at its k-th next dispatch): it did not end after any before
         after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
         alive = np.vstack([np.ones((1, known)), np.cumprod(1.0 - hazard[after], axis=0)])
+        # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
+        # the chain's rows lose the chance of ending, which ``stays`` accounts for
         weights = (in_handoff[None, :] * _rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
                    + in_tool[None, :] * _rate_after(after_tool[None, :] + ahead[:, None], resolution)
                    ) * alive / np.maximum(row_sums, 1e-12)[None, :]
