@@ -30,7 +30,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import TransitionLearner
-from agentkv.warmup._decision import JobState, TargetState, TokenBucket, WarmupPolicy
+from agentkv.warmup import JobState, TargetState, TokenBucket, WarmupPolicy
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 from .simulator import Policy, ScoredPolicy, Simulator

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-from agentkv.graph._peers import COUNTS_FORMAT, COUNTS_VERSION
+from agentkv.graph import COUNTS_FORMAT, COUNTS_VERSION
 from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_PATH, AgentTag
 
 __all__ = ["CASES", "STATELESS_CASES", "Request", "SoakContext", "choose_case"]

@@ -5,7 +5,7 @@ Pure Python + numpy + networkx; shared by the client and the vLLM server extensi
 
 from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
-from ._peers import PeerExport
+from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PeerExport
 from ._predictor import ChainModel, Prediction, Predictor
 from ._reuse import (
     UNTAGGED,
@@ -23,6 +23,8 @@ from ._snapshot import SNAPSHOT_VERSION, SnapshotError, load_snapshot, restore_o
 from ._timing import GapTable, SessionTiming, TimingConfig
 
 __all__ = [
+    "COUNTS_FORMAT",
+    "COUNTS_VERSION",
     "END",
     "SNAPSHOT_VERSION",
     "START",
