@@ -409,7 +409,7 @@ def test_facts_include_untyped_router_targets_hidden_by_get_graph(server):
     g.add_edge("c", END)
     compiled = g.compile()
     drawn = {(e.source, e.target) for e in compiled.get_graph().edges}
-    assert ("a", "b") not in drawn  # the field-notes pitfall
+    assert ("a", "b") not in drawn  # an untyped router draws no edge
     facts = graph_facts(compiled)
     validate_events({"version": 1, "events": [facts]})
     assert facts["nodes"] == ["a", "b", "c"] and facts["entry"] == ["a"]
