@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from eviction_hot_path import manager, requests  # the sibling script: run as python benchmarks/refresh_breakdown.py
+
 from agentkv.bench.kv_manager import serve_once
 from agentkv.graph import score_reuse
-from benchmarks.eviction_hot_path import manager, requests
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 Timer = Callable[[str, Callable[[], Any]], Any]
