@@ -53,6 +53,11 @@ _RESCORE_INTERVAL = 0.25
 _REBUILD_INTERVAL = 2.0
 
 
+def _session_of(group: Hashable) -> str | None:
+    """The queue's partition of a group: a history group's session (its scores move together)."""
+    return group.session if type(group) is History else None  # type: ignore[attr-defined]
+
+
 class AgentKVRuntime(RuntimeControl):
     """Agent-aware eviction for one KVCacheManager.
 
@@ -94,6 +99,7 @@ class AgentKVRuntime(RuntimeControl):
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
         self._scored_policy: tuple[str, int] | None = None
+        self._scored_table: ReuseTable | None = None  # the table whose scores the queues hold
         self._passage: Any = None
         self._gaps: GapTable | None = None
         self._built: dict[str, tuple[object, int, float]] = {}
@@ -108,7 +114,7 @@ class AgentKVRuntime(RuntimeControl):
         self.block_size = pool.hash_block_size
         if self.config.enabled:  # disabled: vLLM's own queue stays, so eviction is exactly LRU
             queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
-                pool, self.tracker.group_of, clock=self.clock, decay=self.config.decay
+                pool, self.tracker.group_of, clock=self.clock, decay=self.config.decay, partition_of=_session_of
             )
             queue.on_evict = self._on_evict
             self.queues.append(queue)
@@ -236,17 +242,23 @@ class AgentKVRuntime(RuntimeControl):
         self._scored_version = (self.learner.version, self.facts.version, self.timing.version)
         self._scored_at = now
         policy = self.policy
-        if policy == "lru" and self._scored_policy == ("lru", self.facts.version):
+        scored = (policy, self.facts.version)
+        if policy == "lru" and self._scored_policy == scored:
             return  # every group still scores 0.0 (or -inf if retired): nothing to redo
-        self._scored_policy = (policy, self.facts.version)
+        changed: set[str] | None = None
         if policy == "lru":
             self._scorer = lambda group: _RETIRED if type(group) is History and self.facts.is_ended(
                 group.session) else 0.0
         else:
-            # a live view's membership test, in C: it runs for every history group of the queue
+            if self._scored_policy == scored and self._scored_table is not None:
+                # same facts, so the same sessions retired: only sessions whose rates moved re-score
+                changed = table.changed_sessions(self._scored_table)
+            # a live view's membership test, in C: it runs for every history group re-scored
             self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED)
+        self._scored_policy = scored
+        self._scored_table = table if policy != "lru" else None
         for queue in self.queues:
-            queue.set_group_scores(self._scorer)
+            queue.set_group_scores(self._scorer, changed_partitions=changed)
 
     def _evaluate(self, now: float) -> ReuseTable:
         chain = self.predictor.chain()

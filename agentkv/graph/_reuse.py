@@ -11,6 +11,7 @@ not outweigh one near-certain use.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -185,7 +186,7 @@ class ReuseTable:
         index, sessions = self.index, self.sessions
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
-        session_logs: list[list[float]] = _quantized(np.log(self.session_rate + _FLOOR)).tolist()
+        session_logs = self._session_logs
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
         columns: dict[frozenset[str], tuple[int, ...]] = {}
 
@@ -222,6 +223,26 @@ class ReuseTable:
             return untagged[0]
 
         return score
+
+    @functools.cached_property
+    def _session_logs(self) -> list[list[float]]:
+        """The quantized log rates of ``session_rate``, one list per live session."""
+        logs: list[list[float]] = _quantized(np.log(self.session_rate + _FLOOR)).tolist()
+        return logs
+
+    def changed_sessions(self, before: ReuseTable) -> set[str] | None:
+        """The sessions whose history groups may score otherwise under this table than under
+        ``before`` (with the same ``retired``), or None when any group may (other agents, or
+        predictability crossed ``r_min``). Anchor and untagged groups may change either way."""
+        if self.agents != before.agents or not (self.predictable and before.predictable):
+            return None
+        logs, old_logs, old_rows = self._session_logs, before._session_logs, before.sessions
+        changed = {name for name in old_rows if name not in self.sessions}
+        for name, row in self.sessions.items():
+            old = old_rows.get(name)
+            if old is None or logs[row] != old_logs[old]:
+                changed.add(name)
+        return changed
 
     def _untagged_score(self) -> float:
         # Nothing is known of an untagged block: value it at a share of a typical live
