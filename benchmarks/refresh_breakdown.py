@@ -36,7 +36,7 @@ def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
     """One evaluation of the model, as ``AgentKVRuntime.refresh`` runs it, part by part."""
     now = runtime.clock()
     chain = timed("Predictor.chain", runtime.predictor.chain)
-    live = timed("SessionTiming.sessions", runtime.timing.sessions)
+    live = timed("SessionTiming.live", runtime.timing.live)
     predictability = timed("learner.predictability", runtime.learner.predictability)
     table = timed("score_reuse", lambda: score_reuse(
         chain, runtime._gaps, live, now=now, session_start_rate=runtime.timing.session_rate(now),

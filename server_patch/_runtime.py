@@ -269,8 +269,7 @@ class AgentKVRuntime(RuntimeControl):
                                                 tolerance=0.0 if config.steps else config.step_tolerance)
         if self._gaps is None or self._stale("gaps", self.timing.gap_agents, self.timing.gaps, now):
             self._gaps = self.timing.table()
-        ended = self.facts.ended
-        sessions = [entry for entry in self.timing.sessions() if entry[0] not in ended]
+        sessions = self.timing.live().without(self.facts.ended.keys())
         interposed = getattr(self.learner, "interposed_rate", None)
         return score_reuse(
             chain,

@@ -12,6 +12,7 @@ not outweigh one near-certain use.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._passage import by_origin, first_passage_steps
 from ._predictor import ChainModel
-from ._timing import GapTable
+from ._timing import GapTable, LiveSessions
 
 __all__ = [
     "UNTAGGED",
@@ -30,8 +32,6 @@ __all__ = [
     "ReuseConfig",
     "ReuseTable",
     "Untagged",
-    "first_passage_steps",
-    "first_passage_within",
     "score_reuse",
 ]
 
@@ -114,31 +114,15 @@ def _combined(rates: Sequence[float], resolution: float) -> float:
     return -math.expm1(unused) / resolution
 
 
-def first_passage_within(matrix: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-    """H[i, a] = P(the chain started at i visits a at some step 1..horizon); returns (H_K, H_{K-1})."""
-    steps = first_passage_steps(matrix, horizon, tolerance=0.0)
-    within = np.cumsum(steps, axis=0) if len(steps) else np.zeros((1, *matrix.shape))
-    previous = within[-2] if len(within) > 1 else np.zeros(matrix.shape)
-    return np.clip(within[-1], 0.0, 1.0), np.clip(previous, 0.0, 1.0)
+SessionEntry = tuple[str, str, float] | tuple[str, str, float, int] | tuple[str, str, float, int, float | None]
 
 
-def first_passage_steps(matrix: np.ndarray, max_steps: int, *, tolerance: float) -> np.ndarray:
-    """F[k-1, i, a] = P(the chain started at i first visits a at step k), k = 1..K.
-
-    K = max_steps, or the first step at which no first visit is more likely than ``tolerance``.
-    Recursion on all targets at once: F_1 = P, F_k[i, a] = sum_{j != a} P[i, j] F_{k-1}[j, a].
-    """
-    n = matrix.shape[0]
-    if n == 0:
-        return np.zeros((0, 0, 0))
-    out = [matrix]
-    current = matrix
-    while len(out) < max_steps:
-        current = matrix @ current - matrix * np.diag(current)[None, :]
-        out.append(current)
-        if float(current.max()) < tolerance:
-            break
-    return np.clip(np.asarray(out), 0.0, 1.0)
+def _columns(sessions: Sequence[SessionEntry]) -> LiveSessions:
+    """Session tuples (the optional fields default to 1 dispatch and not told) as columns."""
+    return LiveSessions(
+        [entry[0] for entry in sessions], [entry[1] for entry in sessions], [entry[2] for entry in sessions],
+        [entry[3] if len(entry) > 3 else 1 for entry in sessions],  # type: ignore[misc]
+        [entry[4] if len(entry) > 4 else None for entry in sessions])  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -225,9 +209,13 @@ class ReuseTable:
         return score
 
     @functools.cached_property
+    def _session_quantized(self) -> np.ndarray:
+        """The quantized log rates of ``session_rate``: what a history group scores."""
+        return _quantized(np.log(self.session_rate + _FLOOR))
+
+    @functools.cached_property
     def _session_logs(self) -> list[list[float]]:
-        """The quantized log rates of ``session_rate``, one list per live session."""
-        logs: list[list[float]] = _quantized(np.log(self.session_rate + _FLOOR)).tolist()
+        logs: list[list[float]] = self._session_quantized.tolist()
         return logs
 
     def changed_sessions(self, before: ReuseTable) -> set[str] | None:
@@ -236,12 +224,13 @@ class ReuseTable:
         predictability crossed ``r_min``). Anchor and untagged groups may change either way."""
         if self.agents != before.agents or not (self.predictable and before.predictable):
             return None
-        logs, old_logs, old_rows = self._session_logs, before._session_logs, before.sessions
-        changed = {name for name in old_rows if name not in self.sessions}
-        for name, row in self.sessions.items():
-            old = old_rows.get(name)
-            if old is None or logs[row] != old_logs[old]:
-                changed.add(name)
+        changed = set(before.sessions.keys() - self.sessions.keys())
+        names = list(self.sessions)
+        if not before.sessions:
+            return changed.union(names)
+        rows = np.array(list(map(before.sessions.get, names, itertools.repeat(-1))), dtype=np.intp)
+        moved = (self._session_quantized != before._session_quantized[rows]).any(axis=1) | (rows < 0)
+        changed.update(names[i] for i in np.flatnonzero(moved).tolist())
         return changed
 
     def _untagged_score(self) -> float:
@@ -265,8 +254,7 @@ class ReuseTable:
 def score_reuse(
     chain: ChainModel,
     gaps: GapTable,
-    sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, int]
-                       | tuple[str, str, float, int, float | None]],
+    sessions: LiveSessions | Sequence[SessionEntry],
     *,
     now: float,
     session_start_rate: float,
@@ -280,8 +268,9 @@ def score_reuse(
 ) -> ReuseTable:
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
-    ``sessions``: (session, current agent, last arrival[, dispatches so far[, P(its dispatch goes
-    on) given whether its last answer called a tool, None when not told]]) of the live sessions;
+    ``sessions``: the live sessions as columns, or as (session, current agent, last arrival[,
+    dispatches so far[, P(its dispatch goes on) given whether its last answer called a tool, None
+    when not told]]);
     ``end_hazard[n - 1]``: P(a session ends after its n-th dispatch | it lasted that long), the
     last entry for all longer ones (None: sessions never end), learned from ended sessions'
     lengths; ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of
@@ -301,26 +290,26 @@ def score_reuse(
     ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
 
     hazard = end_hazard if end_hazard is not None and len(end_hazard) else np.zeros(1)
-    names: list[str] = []
-    columns: list[tuple[int, float, int, int, float, float]] = []  # one pass over the live sessions
-    for entry in sessions:
-        agent = entry[1]
-        row = index.get(agent)
-        if row is None:
-            continue
-        told = entry[4] if len(entry) > 4 else None
-        names.append(entry[0])
-        length = min(max(entry[3], 1), len(hazard)) if len(entry) > 3 else 1
-        columns.append((row, max(now - entry[2], 0.0), gaps.row(agent), length, continuation.get(agent, 0.0),
-                        math.nan if told is None else told))
+    live = sessions if isinstance(sessions, LiveSessions) else _columns(sessions)
+    chain_rows = list(map(index.get, live.agents))
+    if None in chain_rows:  # agents the chain does not know: their sessions are not scored
+        live = LiveSessions(*(tuple(column[i] for i, row in enumerate(chain_rows) if row is not None)
+                              for column in live))
+        chain_rows = [row for row in chain_rows if row is not None]
+    names = live.names
     known = len(names)
     if known:
-        values = np.array(columns).T
-        rows, gap_rows, done = values[0].astype(np.intp), values[2].astype(np.intp), values[3].astype(np.intp)
-        idle, going_on, told = values[1], values[4], values[5]
+        rows = np.array(chain_rows, dtype=np.intp)
+        # per agent of the chain once, then read per session
+        gap_rows = np.array(list(map(gaps.row, chain.agents)), dtype=np.intp)[rows]
+        going_on = np.array([continuation.get(agent, 0.0) for agent in chain.agents], dtype=float)[rows]
+        idle = np.maximum(now - np.array(live.seen, dtype=float), 0.0)
+        done = np.minimum(np.maximum(np.array(live.dispatches, dtype=np.intp), 1), len(hazard))
+        ends = bool(hazard.any())  # False: every session runs on (no factor of 1.0 to apply)
+        told = np.array(live.going_on, dtype=float)  # None (not told) reads as NaN
         tool_left, tool_time, handoff_left, handoff_time = gaps.split_at(gap_rows, idle)
         row_sums = matrix[rows].sum(axis=1)
-        stays = np.clip(np.minimum(row_sums, 1.0 - hazard[done - 1]), 0.0, 1.0 - config.end_floor)
+        stays = np.minimum(np.maximum(np.minimum(row_sums, 1.0 - hazard[done - 1]), 0.0), 1.0 - config.end_floor)
         # P(the same dispatch sends another request, e.g. after a tool call): continuation is
         # counted among requests that had a next one, and a session ends only between dispatches
         tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
@@ -329,20 +318,25 @@ def score_reuse(
         in_tool = tool * tool_left
         in_handoff = (1.0 - tool) * stays * handoff_left
         total = in_tool + in_handoff + (1.0 - tool) * (1.0 - stays)
-        in_tool = np.divide(in_tool, total, out=np.zeros_like(total), where=total > 0)
-        in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=total > 0)
+        some = total > 0
+        in_tool = np.divide(in_tool, total, out=np.zeros_like(total), where=some)
+        in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=some)
         tool_soon = np.maximum(tool_time, resolution)
         handoff_soon = np.maximum(handoff_time, resolution)
         after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
         # P(the session still runs at its k-th next dispatch): it did not end after any before
-        after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
-        alive = np.vstack([np.ones((1, known)), np.cumprod(1.0 - hazard[after], axis=0)])
         # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
         # the chain's rows lose the chance of ending, which ``stays`` accounts for
         weights = (in_handoff[None, :] * _rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
-                   + in_tool[None, :] * _rate_after(after_tool[None, :] + ahead[:, None], resolution)
-                   ) * alive / np.maximum(row_sums, 1e-12)[None, :]
-        session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((known, 0))
+                   + in_tool[None, :] * _rate_after(after_tool[None, :] + ahead[:, None], resolution))
+        if ends:
+            after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
+            alive = np.ones((steps, known))
+            np.cumprod(1.0 - hazard[after], axis=0, out=alive[1:])
+            weights = weights * alive
+        weights = weights / np.maximum(row_sums, 1e-12)[None, :]
+        # sum over k of weights[k, s] * passage[k, rows[s], :], read from one block per start
+        session_rate = np.einsum("sk,skn->sn", weights.T, by_origin(passage).take(rows, axis=0))
         session_rate[np.arange(known), rows] += in_tool * _rate_after(tool_soon, resolution)
         if interposed is not None and len(interposed) == n:
             session_rate += (in_handoff * _rate_after(handoff_soon, resolution)
@@ -350,7 +344,7 @@ def score_reuse(
         session_rate = np.minimum(session_rate, _SURE / resolution)
         # P(a gap this long | the request's kind): a told answer waits only for a hand-off
         still = tool * tool_left + (1.0 - tool) * handoff_left
-        dead = tuple(name for name, s in zip(names, still, strict=True) if s < config.dead_tail) \
+        dead = tuple(names[i] for i in np.flatnonzero(still < config.dead_tail).tolist()) \
             if gap_count >= config.min_gaps else ()
     else:
         session_rate = np.zeros((0, n))
@@ -361,13 +355,15 @@ def score_reuse(
     if session_start_rate > 0 and n:
         # first visits from a new session's entry: e_1 = entry, e_k = entry @ F_{k-1} minus revisits
         entry = chain.entry
-        first = np.vstack([entry[None, :], entry @ passage[:-1] - entry[None, :] * np.diagonal(passage[:-1], axis1=1,
-                                                                                             axis2=2)])
-        # ... made while the new session still runs
-        first = first * np.cumprod(np.concatenate([[1.0], 1.0 - hazard[np.minimum(np.arange(1, steps),
-                                                                                  len(hazard)) - 1]]))[:, None]
+        first = np.empty((steps, n))
+        first[0] = entry
+        np.subtract(entry @ passage[:-1], entry[None, :] * np.diagonal(passage[:-1], axis1=1, axis2=2),
+                    out=first[1:])
+        if hazard.any():  # ... made while the new session still runs
+            first = first * np.cumprod(np.concatenate([[1.0], 1.0 - hazard[np.minimum(np.arange(1, steps),
+                                                                                      len(hazard)) - 1]]))[:, None]
         # sessions yet to start are a Poisson stream of uses at this rate
-        new_rate = (np.clip(first, 0.0, 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(axis=0)
+        new_rate = (np.minimum(np.maximum(first, 0.0), 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(axis=0)
         if interposed is not None and len(interposed) == n:
             new_rate = new_rate + session_start_rate * interposed
         unused = unused - new_rate * resolution
@@ -376,7 +372,7 @@ def score_reuse(
         agents=chain.agents,
         index=index,
         anchor_rate=anchor_rate,
-        sessions={name: i for i, name in enumerate(names)},
+        sessions=dict(zip(names, range(known), strict=True)),
         session_rate=session_rate,
         dead=dead,
         steps=steps,
