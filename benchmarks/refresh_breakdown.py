@@ -4,8 +4,9 @@ Drives the runtime as ``eviction_hot_path.py`` does (every request a new dispatc
 new; a simulated clock, 10 requests a second) with ``AGENTKV_REFRESH_INTERVAL=0``, so that every
 step evaluates the model. After the warm-up it times, step by step, the parts the refresh runs
 (the chain, the live sessions, the learner's predictability, ``score_reuse``,
-``ReuseTable.scorer``, re-scoring the queue's groups), then the whole refresh (whose re-scoring
-then finds the scores just set); medians over the steps.
+``ReuseTable.scorer``, finding the sessions whose scores moved since the last refresh, re-scoring
+their groups in the queue), then the whole refresh (whose re-scoring then finds the scores just
+set); medians over the steps.
 
 Then what a scheduler step pays at the runtime's default ``AGENTKV_REFRESH_INTERVAL``: engine steps
 of ``--step-ms`` (simulated), each admitting one new request (so the model changes at every
@@ -45,7 +46,9 @@ def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
         gap_count=runtime.timing.gaps, config=runtime.config.reuse, passage=runtime._passage,
         end_hazard=runtime.timing.end_hazards()))
     scorer = timed("ReuseTable.scorer", lambda: table.scorer(retired=runtime.facts.ended.keys().__contains__))
-    timed("queue.set_group_scores", lambda: runtime.queues[0].set_group_scores(scorer))
+    before = runtime._scored_table  # as the refresh does: re-score the groups of the sessions that moved
+    changed = None if before is None else timed("ReuseTable.changed_sessions", lambda: table.changed_sessions(before))
+    timed("queue.set_group_scores", lambda: runtime.queues[0].set_group_scores(scorer, changed_partitions=changed))
 
 
 def main() -> None:

@@ -14,14 +14,16 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from ._passage import by_origin, first_passage_steps
+from ._passage import first_passage_steps
 from ._predictor import ChainModel
+from ._session_rates import SURE as _SURE
+from ._session_rates import session_rates
 from ._timing import GapTable, LiveSessions
 
 __all__ = [
@@ -94,18 +96,12 @@ class ReuseConfig:
 
 
 _FLOOR = 1e-9  # reuses per second of a group nothing will reuse (keeps logs finite)
-_SURE = 1.0 - 1e-9  # the largest chance of a use within the resolution (keeps log1p finite)
 _STEPS = 20  # score resolution: 1/20 of a log unit (5%)
 _LOG_FLOOR = math.floor(math.log(_FLOOR) * _STEPS) / _STEPS
 
 
 def _quantized(logs: np.ndarray) -> np.ndarray:
     return np.floor(logs * _STEPS) / _STEPS
-
-
-def _rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
-    """Reuses per second of one use expected after ``time``: P(within the resolution) / resolution."""
-    return -np.expm1(-resolution / time) / resolution
 
 
 def _combined(rates: Sequence[float], resolution: float) -> float:
@@ -158,8 +154,9 @@ class ReuseTable:
         """A fast ``score`` for the eviction path; sessions that ``retired(session)`` says are
         over score ``retired_score`` (a fact outranks the model, also while it is not predictable).
 
-        Lookups are prepared here once per table (plain lists and dicts), so that re-scoring
-        every group of the free queue costs a few dictionary reads per group. Scores are
+        Lookups are prepared here once per table, so that re-scoring a group costs a few
+        dictionary reads and one array read (no list of every session's scores is built: a
+        refresh re-scores only the groups of the sessions ``changed_sessions`` names). Scores are
         quantized to 1/``_STEPS`` of a log unit: drifts of a few percent leave a group's score,
         and so the queue's heap, alone; ties go to recency.
         """
@@ -170,7 +167,7 @@ class ReuseTable:
         index, sessions = self.index, self.sessions
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
-        session_logs = self._session_logs
+        session_logs = self._session_quantized  # read per group: a refresh re-scores few of them
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
         columns: dict[frozenset[str], tuple[int, ...]] = {}
 
@@ -191,10 +188,9 @@ class ReuseTable:
                     return _LOG_FLOOR
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
-                logs = session_logs[row]
                 if len(found) == 1:
-                    return logs[found[0]]
-                return max((logs[i] for i in found), default=_LOG_FLOOR)
+                    return session_logs.item(row, found[0])  # type: ignore[no-any-return]
+                return max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR)
             if kind is Anchor:
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
@@ -212,11 +208,6 @@ class ReuseTable:
     def _session_quantized(self) -> np.ndarray:
         """The quantized log rates of ``session_rate``: what a history group scores."""
         return _quantized(np.log(self.session_rate + _FLOOR))
-
-    @functools.cached_property
-    def _session_logs(self) -> list[list[float]]:
-        logs: list[list[float]] = self._session_quantized.tolist()
-        return logs
 
     def changed_sessions(self, before: ReuseTable) -> set[str] | None:
         """The sessions whose history groups may score otherwise under this table than under
@@ -265,6 +256,7 @@ def score_reuse(
     config: ReuseConfig,
     passage: np.ndarray | None = None,
     end_hazard: np.ndarray | None = None,
+    reuse: tuple[ReuseTable, Container[str]] | None = None,
 ) -> ReuseTable:
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
@@ -276,7 +268,11 @@ def score_reuse(
     lengths; ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of
     a is followed by another request of the same dispatch); ``interposed[a]``: calls of a made
     between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
-    ``first_passage_steps`` of this chain.
+    ``first_passage_steps`` of this chain. ``reuse``: (an earlier table, the sessions whose own
+    inputs changed since): every other session it scored keeps its row (not re-evaluated: its
+    idle time and the chain moved on a little) when the chain's agents, the time resolution and
+    the steps are the same; the caller passes only a table of the same gap distributions, passage
+    and end hazard. The anchors always sum over every session.
     """
     n = len(chain.agents)
     index = chain.index
@@ -298,57 +294,31 @@ def score_reuse(
         chain_rows = [row for row in chain_rows if row is not None]
     names = live.names
     known = len(names)
-    if known:
-        rows = np.array(chain_rows, dtype=np.intp)
-        # per agent of the chain once, then read per session
-        gap_rows = np.array(list(map(gaps.row, chain.agents)), dtype=np.intp)[rows]
-        going_on = np.array([continuation.get(agent, 0.0) for agent in chain.agents], dtype=float)[rows]
-        idle = np.maximum(now - np.array(live.seen, dtype=float), 0.0)
-        done = np.minimum(np.maximum(np.array(live.dispatches, dtype=np.intp), 1), len(hazard))
-        ends = bool(hazard.any())  # False: every session runs on (no factor of 1.0 to apply)
-        told = np.array(live.going_on, dtype=float)  # None (not told) reads as NaN
-        tool_left, tool_time, handoff_left, handoff_time = gaps.split_at(gap_rows, idle)
-        row_sums = matrix[rows].sum(axis=1)
-        stays = np.minimum(np.maximum(np.minimum(row_sums, 1.0 - hazard[done - 1]), 0.0), 1.0 - config.end_floor)
-        # P(the same dispatch sends another request, e.g. after a tool call): continuation is
-        # counted among requests that had a next one, and a session ends only between dispatches
-        tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
-        tool = np.where(np.isnan(told), tool, told)  # given what the server read off the last answer
-        # which of tool call, next dispatch and end the session is in, given its idle time
-        in_tool = tool * tool_left
-        in_handoff = (1.0 - tool) * stays * handoff_left
-        total = in_tool + in_handoff + (1.0 - tool) * (1.0 - stays)
-        some = total > 0
-        in_tool = np.divide(in_tool, total, out=np.zeros_like(total), where=some)
-        in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=some)
-        tool_soon = np.maximum(tool_time, resolution)
-        handoff_soon = np.maximum(handoff_time, resolution)
-        after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
-        # P(the session still runs at its k-th next dispatch): it did not end after any before
-        # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
-        # the chain's rows lose the chance of ending, which ``stays`` accounts for
-        weights = (in_handoff[None, :] * _rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
-                   + in_tool[None, :] * _rate_after(after_tool[None, :] + ahead[:, None], resolution))
-        if ends:
-            after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
-            alive = np.ones((steps, known))
-            np.cumprod(1.0 - hazard[after], axis=0, out=alive[1:])
-            weights = weights * alive
-        weights = weights / np.maximum(row_sums, 1e-12)[None, :]
-        # sum over k of weights[k, s] * passage[k, rows[s], :], read from one block per start
-        session_rate = np.einsum("sk,skn->sn", weights.T, by_origin(passage).take(rows, axis=0))
-        session_rate[np.arange(known), rows] += in_tool * _rate_after(tool_soon, resolution)
-        if interposed is not None and len(interposed) == n:
-            session_rate += (in_handoff * _rate_after(handoff_soon, resolution)
-                             + in_tool * _rate_after(after_tool, resolution))[:, None] * interposed[None, :]
-        session_rate = np.minimum(session_rate, _SURE / resolution)
-        # P(a gap this long | the request's kind): a told answer waits only for a hand-off
-        still = tool * tool_left + (1.0 - tool) * handoff_left
-        dead = tuple(names[i] for i in np.flatnonzero(still < config.dead_tail).tolist()) \
-            if gap_count >= config.min_gaps else ()
-    else:
-        session_rate = np.zeros((0, n))
-        dead = ()
+    # sessions whose rows are copied from ``previous`` (their inputs did not change) and where from
+    copied: list[int] = []
+    evaluated: list[int] = list(range(known))
+    if reuse is not None and known:
+        previous, fresh = reuse
+        if previous.agents == chain.agents and previous.resolution == resolution and previous.steps == steps:
+            before = [-1 if name in fresh else previous.sessions.get(name, -1) for name in names]
+            copied = [i for i, row in enumerate(before) if row >= 0]
+            evaluated = [i for i, row in enumerate(before) if row < 0]
+    session_rate = np.empty((known, n))
+    dead: tuple[str, ...] = ()
+    if evaluated:
+        part = live if not copied else LiveSessions(*(tuple(column[i] for i in evaluated) for column in live))
+        rates, still = session_rates(chain, gaps, part, [chain_rows[i] for i in evaluated] if copied else chain_rows,
+                                     now=now, continuation=continuation, interposed=interposed, hazard=hazard,
+                                     passage=passage, resolution=resolution, mean_gap=mean_gap, ahead=ahead,
+                                     end_floor=config.end_floor)
+        if copied:
+            session_rate[evaluated] = rates
+        else:
+            session_rate = rates
+        if gap_count >= config.min_gaps:  # P(a gap this long | the request's kind) below the tail: abandoned
+            dead = tuple(names[evaluated[i]] for i in np.flatnonzero(still < config.dead_tail).tolist())
+    if copied:
+        session_rate[copied] = previous.session_rate[[before[i] for i in copied]]
 
     # log P(no live session uses the anchor within the resolution): sessions are independent
     unused = np.log1p(-session_rate * resolution).sum(axis=0) if known else np.zeros(n)
