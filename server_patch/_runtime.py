@@ -12,6 +12,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import numpy as np
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
@@ -51,6 +52,11 @@ _MAX_CACHED_TAGS = 65_536
 _RESCORE_INTERVAL = 0.25
 # The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
 _REBUILD_INTERVAL = 2.0
+# An evaluation re-evaluates every live session at least this often (clock s, and every 4th
+# evaluation); the others only the sessions that had a request, an answer or an end since (the
+# rest keep their rows: idle a little longer).
+_FULL_INTERVAL = 0.35
+_FULL_EVERY = 4
 
 
 def _session_of(group: Hashable) -> str | None:
@@ -103,6 +109,9 @@ class AgentKVRuntime(RuntimeControl):
         self._passage: Any = None
         self._gaps: GapTable | None = None
         self._built: dict[str, tuple[object, int, float]] = {}
+        self._partial = 0  # evaluations since the last full one
+        self._full_at = -math.inf  # when the last full one ran
+        self._hazard: np.ndarray | None = None  # the end hazard of the last evaluation
         self._scorer: Callable[[Group], float] = lambda group: 0.0
         self._stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None = None  # (built at, changes, document)
 
@@ -264,11 +273,24 @@ class AgentKVRuntime(RuntimeControl):
         chain = self.predictor.chain()
         config = self.config.reuse
         dispatches = self.learner.dispatches
+        touched = self.timing.take_touched()
+        hazard = self.timing.end_hazards()
+        # sessions untouched since the last evaluation keep their rows, except at every
+        # _FULL_EVERY-th evaluation and whenever an input shared by all sessions was rebuilt
+        partial = self.table is not None and touched is not None and self._partial + 1 < _FULL_EVERY \
+            and now - self._full_at < _FULL_INTERVAL and self._hazard is not None \
+            and np.array_equal(hazard, self._hazard)
         if self._passage is None or self._stale("passage", (len(chain.agents), self.facts.version), dispatches, now):
             self._passage = first_passage_steps(chain.matrix, config.steps or config.max_steps,
                                                 tolerance=0.0 if config.steps else config.step_tolerance)
+            partial = False
         if self._gaps is None or self._stale("gaps", self.timing.gap_agents, self.timing.gaps, now):
             self._gaps = self.timing.table()
+            partial = False
+        self._partial = self._partial + 1 if partial else 0
+        if not partial:
+            self._full_at = now
+        self._hazard = hazard
         sessions = self.timing.live().without(self.facts.ended.keys())
         interposed = getattr(self.learner, "interposed_rate", None)
         return score_reuse(
@@ -283,7 +305,8 @@ class AgentKVRuntime(RuntimeControl):
             gap_count=self.timing.gaps,
             config=config,
             passage=self._passage,
-            end_hazard=self.timing.end_hazards(),
+            end_hazard=hazard,
+            reuse=(self.table, touched) if partial and self.table is not None and touched is not None else None,
         )
 
     def _stale(self, name: str, shape: object, evidence: int, now: float) -> bool:

@@ -294,31 +294,35 @@ def score_reuse(
         chain_rows = [row for row in chain_rows if row is not None]
     names = live.names
     known = len(names)
-    # sessions whose rows are copied from ``previous`` (their inputs did not change) and where from
-    copied: list[int] = []
-    evaluated: list[int] = list(range(known))
+    positions = dict(zip(names, range(known), strict=True))
+    # the sessions whose rows are copied from ``previous`` (their inputs did not change), from where
+    copied: np.ndarray | None = None
+    evaluated: Sequence[int] = range(known)
     if reuse is not None and known:
         previous, fresh = reuse
         if previous.agents == chain.agents and previous.resolution == resolution and previous.steps == steps:
-            before = [-1 if name in fresh else previous.sessions.get(name, -1) for name in names]
-            copied = [i for i, row in enumerate(before) if row >= 0]
-            evaluated = [i for i, row in enumerate(before) if row < 0]
+            before = np.fromiter(map(previous.sessions.get, names, itertools.repeat(-1)), np.intp, known)
+            for name in fresh:
+                if (position := positions.get(name)) is not None:
+                    before[position] = -1
+            kept = before >= 0
+            copied, evaluated = np.flatnonzero(kept), np.flatnonzero(~kept).tolist()
     session_rate = np.empty((known, n))
     dead: tuple[str, ...] = ()
-    if evaluated:
-        part = live if not copied else LiveSessions(*(tuple(column[i] for i in evaluated) for column in live))
-        rates, still = session_rates(chain, gaps, part, [chain_rows[i] for i in evaluated] if copied else chain_rows,
-                                     now=now, continuation=continuation, interposed=interposed, hazard=hazard,
-                                     passage=passage, resolution=resolution, mean_gap=mean_gap, ahead=ahead,
-                                     end_floor=config.end_floor)
-        if copied:
-            session_rate[evaluated] = rates
-        else:
+    if len(evaluated):
+        part = live if copied is None else LiveSessions(*(tuple(column[i] for i in evaluated) for column in live))
+        rates, still = session_rates(chain, gaps, part, chain_rows if copied is None else
+                                     [chain_rows[i] for i in evaluated], now=now, continuation=continuation,
+                                     interposed=interposed, hazard=hazard, passage=passage, resolution=resolution,
+                                     mean_gap=mean_gap, ahead=ahead, end_floor=config.end_floor)
+        if copied is None:
             session_rate = rates
+        else:
+            session_rate[evaluated] = rates
         if gap_count >= config.min_gaps:  # P(a gap this long | the request's kind) below the tail: abandoned
             dead = tuple(names[evaluated[i]] for i in np.flatnonzero(still < config.dead_tail).tolist())
-    if copied:
-        session_rate[copied] = previous.session_rate[[before[i] for i in copied]]
+    if copied is not None and len(copied):
+        session_rate[copied] = previous.session_rate[before[copied]]
 
     # log P(no live session uses the anchor within the resolution): sessions are independent
     unused = np.log1p(-session_rate * resolution).sum(axis=0) if known else np.zeros(n)
@@ -342,7 +346,7 @@ def score_reuse(
         agents=chain.agents,
         index=index,
         anchor_rate=anchor_rate,
-        sessions=dict(zip(names, range(known), strict=True)),
+        sessions=positions,
         session_rate=session_rate,
         dead=dead,
         steps=steps,

@@ -187,6 +187,7 @@ class SessionTiming:
         self._last_start = 0.0
         self._start_interval = math.inf  # EWMA of the time between session starts
         self._lengths = np.zeros(_MAX_LENGTH)  # decayed counts of ended sessions by dispatches
+        self._touched: set[str] | None = set()  # see ``take_touched``; None: more than max_sessions
         self.version = 0
 
     # -- learning --------------------------------------------------------------------
@@ -209,7 +210,21 @@ class SessionTiming:
         self._sessions[session] = _Session(agent, now, step, dispatches)
         if len(self._sessions) > self.config.max_sessions:
             self._sessions.popitem(last=False)
+        self._touch(session)
         self.version += 1
+
+    def _touch(self, session: str) -> None:
+        touched = self._touched
+        if touched is not None:
+            touched.add(session)
+            if len(touched) > self.config.max_sessions:  # nobody asked for a while: say "all" instead
+                self._touched = None
+
+    def take_touched(self) -> set[str] | None:
+        """The sessions that had a request, a told answer or an end since the last call (None:
+        too many to list, take every session as touched); the next call starts afresh."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     def answered(self, session: str, tool_call: bool) -> None:
         """The session's last request finished; its answer was a tool call or not (a tool call
@@ -217,6 +232,7 @@ class SessionTiming:
         state = self._sessions.get(session)
         if state is not None and state.tool_call is not tool_call:
             self._sessions[session] = _Session(state.agent, state.seen, state.step, state.dispatches, tool_call)
+            self._touch(session)
             self.version += 1
 
     def end(self, session: str) -> None:
@@ -225,6 +241,7 @@ class SessionTiming:
         if state is not None:
             self._lengths *= _LENGTH_DECAY
             self._lengths[min(state.dispatches, _MAX_LENGTH) - 1] += 1.0
+            self._touch(session)
             self.version += 1
 
     def end_hazards(self) -> np.ndarray:
