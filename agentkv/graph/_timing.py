@@ -113,7 +113,7 @@ class GapTable:
 
     def split_at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(P(tool gap > idle), its time left, P(hand-off gap > idle), its time left)."""
-        bins = np.clip(np.searchsorted(_EDGES, idle, side="right") - 1, 0, _BINS - 1)
+        bins = np.minimum(np.maximum(np.searchsorted(_EDGES, idle, side="right") - 1, 0), _BINS - 1)
         past = np.maximum(idle - _EDGES[bins], 0.0)  # time since the bin's lower edge
         (tool_survival, tool_residual), (handoff_survival, handoff_residual) = self.tool, self.handoff
         return (tool_survival[rows, bins], tool_residual[rows, bins] - past,
