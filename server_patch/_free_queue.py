@@ -71,6 +71,9 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
        otherwise the tail block with the smallest key. With ``enabled=False``
        it always takes the list head (vanilla); the groups are maintained
        either way, so ``enabled`` can be toggled at any time.
+    5. With ``partition_of``, every group is in exactly one index: its partition's
+       (``_partitions[partition_of(key)]``) or ``_unpartitioned``; a partition is
+       listed only while it has a group.
 
     Consequences: with equal scores for all groups the pop order is exactly
     vanilla's (front, then tail in append order = LRU). A prefix chain never

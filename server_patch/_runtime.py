@@ -231,7 +231,10 @@ class AgentKVRuntime(RuntimeControl):
         sessions have been idle), and at most once per ``refresh_interval`` unless a fact
         changed. The chain's first-passage table and the gap distributions are
         recomputed only when enough new evidence arrived (``_stale``). Sessions the timing model
-        finds abandoned leave the timing (their history drops to the floor).
+        finds abandoned leave the timing (their history drops to the floor). Between full
+        evaluations (``_FULL_INTERVAL``, ``_FULL_EVERY``) only the sessions touched since the last
+        one are re-evaluated, and the queues re-score only the history groups of the sessions
+        whose scores moved (the anchors and untagged blocks always).
         """
         if not self.config.enabled:
             return
