@@ -13,7 +13,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
@@ -71,6 +71,9 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
        otherwise the tail block with the smallest key. With ``enabled=False``
        it always takes the list head (vanilla); the groups are maintained
        either way, so ``enabled`` can be toggled at any time.
+    5. With ``partition_of``, every group is in exactly one index: its partition's
+       (``_partitions[partition_of(key)]``) or ``_unpartitioned``; a partition is
+       listed only while it has a group.
 
     Consequences: with equal scores for all groups the pop order is exactly
     vanilla's (front, then tail in append order = LRU). A prefix chain never
@@ -82,7 +85,8 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
     Cost: append/remove O(1) + O(log heap) when a group head changes; popleft_n
     O(log heap) per run of blocks taken from one group (stale heap entries are
     skipped lazily and the heap is compacted); ``set_group_scores`` O(G) for G
-    non-empty groups plus O(log heap) per group whose score changed.
+    non-empty groups plus O(log heap) per group whose score changed, or, told
+    which partitions changed, O(groups of those partitions + unpartitioned).
     """
 
     def __init__(
@@ -92,8 +96,13 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         *,
         clock: Callable[[], float] = time.monotonic,
         decay: float = DEFAULT_DECAY,
+        partition_of: Callable[[K], Hashable | None] | None = None,
     ) -> None:
-        """``blocks`` form the front segment; add tail blocks with append_n."""
+        """``blocks`` form the front segment; add tail blocks with append_n.
+
+        ``partition_of(key)`` names the partition of a group (e.g. its session; None: none),
+        so that ``set_group_scores`` can re-score only the partitions the caller says changed.
+        """
         super().__init__(blocks)
         self.enabled = True
         # Called once per pop with the popped blocks; those that still hold a hash are
@@ -107,6 +116,10 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         self._groups: dict[K, _Group[K]] = {}
         self._group_by_block: dict[int, _Group[K]] = {}
         self._heap: list[_HeapEntry[K]] = []
+        self._partition_of = partition_of
+        # partition -> its non-empty groups; groups whose partition is None are in ``_unpartitioned``
+        self._partitions: dict[Hashable, dict[K, _Group[K]]] = {}
+        self._unpartitioned: dict[K, _Group[K]] = {}
 
     @classmethod
     def replace(
@@ -116,6 +129,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         *,
         clock: Callable[[], float] = time.monotonic,
         decay: float = DEFAULT_DECAY,
+        partition_of: Callable[[K], Hashable | None] | None = None,
     ) -> ScoredFreeBlockQueue[K]:
         """Install a scored queue on ``pool``, keeping its free list order.
 
@@ -127,28 +141,38 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         split = 0
         while split < len(free) and free[split].block_hash is None:
             split += 1
-        queue = cls(free[:split], group_of, clock=clock, decay=decay)
+        queue = cls(free[:split], group_of, clock=clock, decay=decay, partition_of=partition_of)
         queue.append_n(free[split:])
         pool.free_block_queue = queue
         return queue
 
     def set_group_scores(
-        self, scores: Mapping[K, float] | Callable[[K], float], default: float = 0.0
+        self, scores: Mapping[K, float] | Callable[[K], float], default: float = 0.0,
+        *, changed_partitions: Collection[Hashable] | None = None,
     ) -> None:
         """Set every group's log-space score; replaces, not merges.
 
         ``scores`` is a mapping (absent groups get ``default``) or a function of the
         group key, which also scores groups created later. ``-math.inf`` retires a
-        group (evicted first).
+        group (evicted first). ``changed_partitions`` (needs ``partition_of``): the caller
+        guarantees that every group of any other partition scores as before, so only
+        these partitions' groups and the unpartitioned ones are re-scored.
         """
         if isinstance(scores, Mapping):
             table = dict(scores)
             self._score_of = lambda key: table.get(key, default)
         else:
             self._score_of = scores
+        groups: Iterable[_Group[K]]
+        if changed_partitions is None or self._partition_of is None:
+            groups = self._groups.values()
+        else:
+            partitions = self._partitions
+            groups = [*self._unpartitioned.values(),
+                      *(g for p in changed_partitions if (members := partitions.get(p)) for g in members.values())]
         changed = []
         score_of = self._score_of
-        for group in self._groups.values():
+        for group in groups:
             score = score_of(group.key)
             if score != group.score:
                 if score != score:  # NaN (unequal to every score, itself included)
@@ -246,6 +270,8 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = _Group(key, self._checked_score(key))
+                    if self._partition_of is not None:
+                        self._index(group)
                 members = group.blocks
                 new_head = not members
                 for block in run:
@@ -266,9 +292,30 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         was_head = next(iter(group.blocks)) == block.block_id
         del group.blocks[block.block_id]
         if not group.blocks:
-            del self._groups[group.key]
+            self._drop(group)
         elif was_head:
             self._push_head(group)
+
+    def _index(self, group: _Group[K]) -> None:
+        partition = self._partition_of(group.key)  # type: ignore[misc]
+        if partition is None:
+            self._unpartitioned[group.key] = group
+        else:
+            self._partitions.setdefault(partition, {})[group.key] = group
+
+    def _drop(self, group: _Group[K]) -> None:
+        """Forget a group that just lost its last block."""
+        del self._groups[group.key]
+        if self._partition_of is None:
+            return
+        partition = self._partition_of(group.key)
+        if partition is None:
+            del self._unpartitioned[group.key]
+            return
+        members = self._partitions[partition]
+        del members[group.key]
+        if not members:
+            del self._partitions[partition]
 
     def _push_head(self, group: _Group[K]) -> None:
         heapq.heappush(self._heap, _head_entry(group))
@@ -317,7 +364,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             heapq.heapreplace(heap, _head_entry(group))
         else:
             heapq.heappop(heap)
-            del self._groups[group.key]
+            self._drop(group)
 
 
 def _head_entry(group: _Group[K]) -> _HeapEntry[K]:

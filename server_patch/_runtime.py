@@ -12,6 +12,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import numpy as np
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
@@ -51,6 +52,16 @@ _MAX_CACHED_TAGS = 65_536
 _RESCORE_INTERVAL = 0.25
 # The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
 _REBUILD_INTERVAL = 2.0
+# An evaluation re-evaluates every live session at least this often (clock s, and every 4th
+# evaluation); the others only the sessions that had a request, an answer or an end since (the
+# rest keep their rows: idle a little longer).
+_FULL_INTERVAL = 0.35
+_FULL_EVERY = 4
+
+
+def _session_of(group: Hashable) -> str | None:
+    """The queue's partition of a group: a history group's session (its scores move together)."""
+    return group.session if type(group) is History else None  # type: ignore[attr-defined]
 
 
 class AgentKVRuntime(RuntimeControl):
@@ -94,9 +105,13 @@ class AgentKVRuntime(RuntimeControl):
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
         self._scored_policy: tuple[str, int] | None = None
+        self._scored_table: ReuseTable | None = None  # the table whose scores the queues hold
         self._passage: Any = None
         self._gaps: GapTable | None = None
         self._built: dict[str, tuple[object, int, float]] = {}
+        self._partial = 0  # evaluations since the last full one
+        self._full_at = -math.inf  # when the last full one ran
+        self._hazard: np.ndarray | None = None  # the end hazard of the last evaluation
         self._scorer: Callable[[Group], float] = lambda group: 0.0
         self._stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None = None  # (built at, changes, document)
 
@@ -108,7 +123,7 @@ class AgentKVRuntime(RuntimeControl):
         self.block_size = pool.hash_block_size
         if self.config.enabled:  # disabled: vLLM's own queue stays, so eviction is exactly LRU
             queue: ScoredFreeBlockQueue[Hashable] = ScoredFreeBlockQueue.replace(
-                pool, self.tracker.group_of, clock=self.clock, decay=self.config.decay
+                pool, self.tracker.group_of, clock=self.clock, decay=self.config.decay, partition_of=_session_of
             )
             queue.on_evict = self._on_evict
             self.queues.append(queue)
@@ -216,7 +231,10 @@ class AgentKVRuntime(RuntimeControl):
         sessions have been idle), and at most once per ``refresh_interval`` unless a fact
         changed. The chain's first-passage table and the gap distributions are
         recomputed only when enough new evidence arrived (``_stale``). Sessions the timing model
-        finds abandoned leave the timing (their history drops to the floor).
+        finds abandoned leave the timing (their history drops to the floor). Between full
+        evaluations (``_FULL_INTERVAL``, ``_FULL_EVERY``) only the sessions touched since the last
+        one are re-evaluated, and the queues re-score only the history groups of the sessions
+        whose scores moved (the anchors and untagged blocks always).
         """
         if not self.config.enabled:
             return
@@ -236,29 +254,47 @@ class AgentKVRuntime(RuntimeControl):
         self._scored_version = (self.learner.version, self.facts.version, self.timing.version)
         self._scored_at = now
         policy = self.policy
-        if policy == "lru" and self._scored_policy == ("lru", self.facts.version):
+        scored = (policy, self.facts.version)
+        if policy == "lru" and self._scored_policy == scored:
             return  # every group still scores 0.0 (or -inf if retired): nothing to redo
-        self._scored_policy = (policy, self.facts.version)
+        changed: set[str] | None = None
         if policy == "lru":
             self._scorer = lambda group: _RETIRED if type(group) is History and self.facts.is_ended(
                 group.session) else 0.0
         else:
-            # a live view's membership test, in C: it runs for every history group of the queue
+            if self._scored_policy == scored and self._scored_table is not None:
+                # same facts, so the same sessions retired: only sessions whose rates moved re-score
+                changed = table.changed_sessions(self._scored_table)
+            # a live view's membership test, in C: it runs for every history group re-scored
             self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED)
+        self._scored_policy = scored
+        self._scored_table = table if policy != "lru" else None
         for queue in self.queues:
-            queue.set_group_scores(self._scorer)
+            queue.set_group_scores(self._scorer, changed_partitions=changed)
 
     def _evaluate(self, now: float) -> ReuseTable:
         chain = self.predictor.chain()
         config = self.config.reuse
         dispatches = self.learner.dispatches
+        touched = self.timing.take_touched()
+        hazard = self.timing.end_hazards()
+        # sessions untouched since the last evaluation keep their rows, except at every
+        # _FULL_EVERY-th evaluation and whenever an input shared by all sessions was rebuilt
+        partial = self.table is not None and touched is not None and self._partial + 1 < _FULL_EVERY \
+            and now - self._full_at < _FULL_INTERVAL and self._hazard is not None \
+            and np.array_equal(hazard, self._hazard)
         if self._passage is None or self._stale("passage", (len(chain.agents), self.facts.version), dispatches, now):
             self._passage = first_passage_steps(chain.matrix, config.steps or config.max_steps,
                                                 tolerance=0.0 if config.steps else config.step_tolerance)
+            partial = False
         if self._gaps is None or self._stale("gaps", self.timing.gap_agents, self.timing.gaps, now):
             self._gaps = self.timing.table()
-        ended = self.facts.ended
-        sessions = [entry for entry in self.timing.sessions() if entry[0] not in ended]
+            partial = False
+        self._partial = self._partial + 1 if partial else 0
+        if not partial:
+            self._full_at = now
+        self._hazard = hazard
+        sessions = self.timing.live().without(self.facts.ended.keys())
         interposed = getattr(self.learner, "interposed_rate", None)
         return score_reuse(
             chain,
@@ -272,7 +308,8 @@ class AgentKVRuntime(RuntimeControl):
             gap_count=self.timing.gaps,
             config=config,
             passage=self._passage,
-            end_hazard=self.timing.end_hazards(),
+            end_hazard=hazard,
+            reuse=(self.table, touched) if partial and self.table is not None and touched is not None else None,
         )
 
     def _stale(self, name: str, shape: object, evidence: int, now: float) -> bool:

@@ -84,7 +84,7 @@ def _measure(n: int, sessions: int) -> dict[str, float]:
         observe()  # a real evaluation follows a change: nothing is cached
         chain = predictor.chain()
         passage = first_passage_steps(chain.matrix, config.max_steps, tolerance=config.step_tolerance)
-        return score_reuse(chain, timing.table(), timing.sessions(), now=clock[0],
+        return score_reuse(chain, timing.table(), timing.live(), now=clock[0],
                            session_start_rate=timing.session_rate(clock[0]),
                            continuation={a: timing.continuation(a) for a in chain.agents}, interposed=None,
                            predictability=learner.predictability(), gap_count=timing.gaps, config=config,

@@ -5,6 +5,7 @@ Pure Python + numpy + networkx; shared by the client and the vLLM server extensi
 
 from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
+from ._passage import first_passage_steps, first_passage_within
 from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PeerExport
 from ._predictor import ChainModel, Prediction, Predictor
 from ._reuse import (
@@ -15,12 +16,10 @@ from ._reuse import (
     ReuseConfig,
     ReuseTable,
     Untagged,
-    first_passage_steps,
-    first_passage_within,
     score_reuse,
 )
 from ._snapshot import SNAPSHOT_VERSION, SnapshotError, load_snapshot, restore_or_fresh, save_snapshot
-from ._timing import GapTable, SessionTiming, TimingConfig
+from ._timing import GapTable, LiveSessions, SessionTiming, TimingConfig
 
 __all__ = [
     "COUNTS_FORMAT",
@@ -37,6 +36,7 @@ __all__ = [
     "Group",
     "History",
     "LearnerConfig",
+    "LiveSessions",
     "Observation",
     "PeerExport",
     "Prediction",

@@ -11,15 +11,20 @@ not outweigh one near-certain use.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from ._passage import first_passage_steps
 from ._predictor import ChainModel
-from ._timing import GapTable
+from ._session_rates import SURE as _SURE
+from ._session_rates import session_rates
+from ._timing import GapTable, LiveSessions
 
 __all__ = [
     "UNTAGGED",
@@ -29,8 +34,6 @@ __all__ = [
     "ReuseConfig",
     "ReuseTable",
     "Untagged",
-    "first_passage_steps",
-    "first_passage_within",
     "score_reuse",
 ]
 
@@ -93,7 +96,6 @@ class ReuseConfig:
 
 
 _FLOOR = 1e-9  # reuses per second of a group nothing will reuse (keeps logs finite)
-_SURE = 1.0 - 1e-9  # the largest chance of a use within the resolution (keeps log1p finite)
 _STEPS = 20  # score resolution: 1/20 of a log unit (5%)
 _LOG_FLOOR = math.floor(math.log(_FLOOR) * _STEPS) / _STEPS
 
@@ -102,42 +104,21 @@ def _quantized(logs: np.ndarray) -> np.ndarray:
     return np.floor(logs * _STEPS) / _STEPS
 
 
-def _rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
-    """Reuses per second of one use expected after ``time``: P(within the resolution) / resolution."""
-    return -np.expm1(-resolution / time) / resolution
-
-
 def _combined(rates: Sequence[float], resolution: float) -> float:
     """The rate of the first use among independent streams: 1 - prod(1 - rate * tau), over tau."""
     unused = sum(math.log1p(-min(rate * resolution, _SURE)) for rate in rates)
     return -math.expm1(unused) / resolution
 
 
-def first_passage_within(matrix: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-    """H[i, a] = P(the chain started at i visits a at some step 1..horizon); returns (H_K, H_{K-1})."""
-    steps = first_passage_steps(matrix, horizon, tolerance=0.0)
-    within = np.cumsum(steps, axis=0) if len(steps) else np.zeros((1, *matrix.shape))
-    previous = within[-2] if len(within) > 1 else np.zeros(matrix.shape)
-    return np.clip(within[-1], 0.0, 1.0), np.clip(previous, 0.0, 1.0)
+SessionEntry = tuple[str, str, float] | tuple[str, str, float, int] | tuple[str, str, float, int, float | None]
 
 
-def first_passage_steps(matrix: np.ndarray, max_steps: int, *, tolerance: float) -> np.ndarray:
-    """F[k-1, i, a] = P(the chain started at i first visits a at step k), k = 1..K.
-
-    K = max_steps, or the first step at which no first visit is more likely than ``tolerance``.
-    Recursion on all targets at once: F_1 = P, F_k[i, a] = sum_{j != a} P[i, j] F_{k-1}[j, a].
-    """
-    n = matrix.shape[0]
-    if n == 0:
-        return np.zeros((0, 0, 0))
-    out = [matrix]
-    current = matrix
-    while len(out) < max_steps:
-        current = matrix @ current - matrix * np.diag(current)[None, :]
-        out.append(current)
-        if float(current.max()) < tolerance:
-            break
-    return np.clip(np.asarray(out), 0.0, 1.0)
+def _columns(sessions: Sequence[SessionEntry]) -> LiveSessions:
+    """Session tuples (the optional fields default to 1 dispatch and not told) as columns."""
+    return LiveSessions(
+        [entry[0] for entry in sessions], [entry[1] for entry in sessions], [entry[2] for entry in sessions],
+        [entry[3] if len(entry) > 3 else 1 for entry in sessions],  # type: ignore[misc]
+        [entry[4] if len(entry) > 4 else None for entry in sessions])  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -173,8 +154,9 @@ class ReuseTable:
         """A fast ``score`` for the eviction path; sessions that ``retired(session)`` says are
         over score ``retired_score`` (a fact outranks the model, also while it is not predictable).
 
-        Lookups are prepared here once per table (plain lists and dicts), so that re-scoring
-        every group of the free queue costs a few dictionary reads per group. Scores are
+        Lookups are prepared here once per table, so that re-scoring a group costs a few
+        dictionary reads and one array read (no list of every session's scores is built: a
+        refresh re-scores only the groups of the sessions ``changed_sessions`` names). Scores are
         quantized to 1/``_STEPS`` of a log unit: drifts of a few percent leave a group's score,
         and so the queue's heap, alone; ties go to recency.
         """
@@ -185,7 +167,7 @@ class ReuseTable:
         index, sessions = self.index, self.sessions
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
-        session_logs: list[list[float]] = _quantized(np.log(self.session_rate + _FLOOR)).tolist()
+        session_logs = self._session_quantized  # read per group: a refresh re-scores few of them
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
         columns: dict[frozenset[str], tuple[int, ...]] = {}
 
@@ -206,10 +188,9 @@ class ReuseTable:
                     return _LOG_FLOOR
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
-                logs = session_logs[row]
                 if len(found) == 1:
-                    return logs[found[0]]
-                return max((logs[i] for i in found), default=_LOG_FLOOR)
+                    return session_logs.item(row, found[0])  # type: ignore[no-any-return]
+                return max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR)
             if kind is Anchor:
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
@@ -222,6 +203,26 @@ class ReuseTable:
             return untagged[0]
 
         return score
+
+    @functools.cached_property
+    def _session_quantized(self) -> np.ndarray:
+        """The quantized log rates of ``session_rate``: what a history group scores."""
+        return _quantized(np.log(self.session_rate + _FLOOR))
+
+    def changed_sessions(self, before: ReuseTable) -> set[str] | None:
+        """The sessions whose history groups may score otherwise under this table than under
+        ``before`` (with the same ``retired``), or None when any group may (other agents, or
+        predictability crossed ``r_min``). Anchor and untagged groups may change either way."""
+        if self.agents != before.agents or not (self.predictable and before.predictable):
+            return None
+        changed = set(before.sessions.keys() - self.sessions.keys())
+        names = list(self.sessions)
+        if not before.sessions:
+            return changed.union(names)
+        rows = np.array(list(map(before.sessions.get, names, itertools.repeat(-1))), dtype=np.intp)
+        moved = (self._session_quantized != before._session_quantized[rows]).any(axis=1) | (rows < 0)
+        changed.update(names[i] for i in np.flatnonzero(moved).tolist())
+        return changed
 
     def _untagged_score(self) -> float:
         # Nothing is known of an untagged block: value it at a share of a typical live
@@ -244,8 +245,7 @@ class ReuseTable:
 def score_reuse(
     chain: ChainModel,
     gaps: GapTable,
-    sessions: Sequence[tuple[str, str, float] | tuple[str, str, float, int]
-                       | tuple[str, str, float, int, float | None]],
+    sessions: LiveSessions | Sequence[SessionEntry],
     *,
     now: float,
     session_start_rate: float,
@@ -256,17 +256,23 @@ def score_reuse(
     config: ReuseConfig,
     passage: np.ndarray | None = None,
     end_hazard: np.ndarray | None = None,
+    reuse: tuple[ReuseTable, Container[str]] | None = None,
 ) -> ReuseTable:
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
-    ``sessions``: (session, current agent, last arrival[, dispatches so far[, P(its dispatch goes
-    on) given whether its last answer called a tool, None when not told]]) of the live sessions;
+    ``sessions``: the live sessions as columns, or as (session, current agent, last arrival[,
+    dispatches so far[, P(its dispatch goes on) given whether its last answer called a tool, None
+    when not told]]);
     ``end_hazard[n - 1]``: P(a session ends after its n-th dispatch | it lasted that long), the
     last entry for all longer ones (None: sessions never end), learned from ended sessions'
     lengths; ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of
     a is followed by another request of the same dispatch); ``interposed[a]``: calls of a made
     between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
-    ``first_passage_steps`` of this chain.
+    ``first_passage_steps`` of this chain. ``reuse``: (an earlier table, the sessions whose own
+    inputs changed since): every other session it scored keeps its row (not re-evaluated: its
+    idle time and the chain moved on a little) when the chain's agents, the time resolution and
+    the steps are the same; the caller passes only a table of the same gap distributions, passage
+    and end hazard. The anchors always sum over every session.
     """
     n = len(chain.agents)
     index = chain.index
@@ -280,73 +286,58 @@ def score_reuse(
     ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
 
     hazard = end_hazard if end_hazard is not None and len(end_hazard) else np.zeros(1)
-    names: list[str] = []
-    columns: list[tuple[int, float, int, int, float, float]] = []  # one pass over the live sessions
-    for entry in sessions:
-        agent = entry[1]
-        row = index.get(agent)
-        if row is None:
-            continue
-        told = entry[4] if len(entry) > 4 else None
-        names.append(entry[0])
-        length = min(max(entry[3], 1), len(hazard)) if len(entry) > 3 else 1
-        columns.append((row, max(now - entry[2], 0.0), gaps.row(agent), length, continuation.get(agent, 0.0),
-                        math.nan if told is None else told))
+    live = sessions if isinstance(sessions, LiveSessions) else _columns(sessions)
+    chain_rows = list(map(index.get, live.agents))
+    if None in chain_rows:  # agents the chain does not know: their sessions are not scored
+        live = LiveSessions(*(tuple(column[i] for i, row in enumerate(chain_rows) if row is not None)
+                              for column in live))
+        chain_rows = [row for row in chain_rows if row is not None]
+    names = live.names
     known = len(names)
-    if known:
-        values = np.array(columns).T
-        rows, gap_rows, done = values[0].astype(np.intp), values[2].astype(np.intp), values[3].astype(np.intp)
-        idle, going_on, told = values[1], values[4], values[5]
-        tool_left, tool_time, handoff_left, handoff_time = gaps.split_at(gap_rows, idle)
-        row_sums = matrix[rows].sum(axis=1)
-        stays = np.clip(np.minimum(row_sums, 1.0 - hazard[done - 1]), 0.0, 1.0 - config.end_floor)
-        # P(the same dispatch sends another request, e.g. after a tool call): continuation is
-        # counted among requests that had a next one, and a session ends only between dispatches
-        tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
-        tool = np.where(np.isnan(told), tool, told)  # given what the server read off the last answer
-        # which of tool call, next dispatch and end the session is in, given its idle time
-        in_tool = tool * tool_left
-        in_handoff = (1.0 - tool) * stays * handoff_left
-        total = in_tool + in_handoff + (1.0 - tool) * (1.0 - stays)
-        in_tool = np.divide(in_tool, total, out=np.zeros_like(total), where=total > 0)
-        in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=total > 0)
-        tool_soon = np.maximum(tool_time, resolution)
-        handoff_soon = np.maximum(handoff_time, resolution)
-        after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
-        # P(the session still runs at its k-th next dispatch): it did not end after any before
-        after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
-        alive = np.vstack([np.ones((1, known)), np.cumprod(1.0 - hazard[after], axis=0)])
-        # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
-        # the chain's rows lose the chance of ending, which ``stays`` accounts for
-        weights = (in_handoff[None, :] * _rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
-                   + in_tool[None, :] * _rate_after(after_tool[None, :] + ahead[:, None], resolution)
-                   ) * alive / np.maximum(row_sums, 1e-12)[None, :]
-        session_rate = np.einsum("ks,ksn->sn", weights, passage[:, rows, :]) if n else np.zeros((known, 0))
-        session_rate[np.arange(known), rows] += in_tool * _rate_after(tool_soon, resolution)
-        if interposed is not None and len(interposed) == n:
-            session_rate += (in_handoff * _rate_after(handoff_soon, resolution)
-                             + in_tool * _rate_after(after_tool, resolution))[:, None] * interposed[None, :]
-        session_rate = np.minimum(session_rate, _SURE / resolution)
-        # P(a gap this long | the request's kind): a told answer waits only for a hand-off
-        still = tool * tool_left + (1.0 - tool) * handoff_left
-        dead = tuple(name for name, s in zip(names, still, strict=True) if s < config.dead_tail) \
-            if gap_count >= config.min_gaps else ()
-    else:
-        session_rate = np.zeros((0, n))
-        dead = ()
+    positions = dict(zip(names, range(known), strict=True))
+    # the sessions whose rows are copied from ``previous`` (their inputs did not change), from where
+    copied: np.ndarray | None = None
+    evaluated: Sequence[int] = range(known)
+    if reuse is not None and known:
+        previous, fresh = reuse
+        if previous.agents == chain.agents and previous.resolution == resolution and previous.steps == steps:
+            before = np.fromiter(map(previous.sessions.get, names, itertools.repeat(-1)), np.intp, known)
+            for name in fresh:
+                if (position := positions.get(name)) is not None:
+                    before[position] = -1
+            kept = before >= 0
+            copied, evaluated = np.flatnonzero(kept), np.flatnonzero(~kept).tolist()
+    session_rate = np.empty((known, n))
+    dead: tuple[str, ...] = ()
+    if len(evaluated):
+        part = live if copied is None else LiveSessions(*(tuple(column[i] for i in evaluated) for column in live))
+        rates, still = session_rates(chain, gaps, part, chain_rows if copied is None else
+                                     [chain_rows[i] for i in evaluated], now=now, continuation=continuation,
+                                     interposed=interposed, hazard=hazard, passage=passage, resolution=resolution,
+                                     mean_gap=mean_gap, ahead=ahead, end_floor=config.end_floor)
+        if copied is None:
+            session_rate = rates
+        else:
+            session_rate[evaluated] = rates
+        if gap_count >= config.min_gaps:  # P(a gap this long | the request's kind) below the tail: abandoned
+            dead = tuple(names[evaluated[i]] for i in np.flatnonzero(still < config.dead_tail).tolist())
+    if copied is not None and len(copied):
+        session_rate[copied] = previous.session_rate[before[copied]]
 
     # log P(no live session uses the anchor within the resolution): sessions are independent
     unused = np.log1p(-session_rate * resolution).sum(axis=0) if known else np.zeros(n)
     if session_start_rate > 0 and n:
         # first visits from a new session's entry: e_1 = entry, e_k = entry @ F_{k-1} minus revisits
         entry = chain.entry
-        first = np.vstack([entry[None, :], entry @ passage[:-1] - entry[None, :] * np.diagonal(passage[:-1], axis1=1,
-                                                                                             axis2=2)])
-        # ... made while the new session still runs
-        first = first * np.cumprod(np.concatenate([[1.0], 1.0 - hazard[np.minimum(np.arange(1, steps),
-                                                                                  len(hazard)) - 1]]))[:, None]
+        first = np.empty((steps, n))
+        first[0] = entry
+        np.subtract(entry @ passage[:-1], entry[None, :] * np.diagonal(passage[:-1], axis1=1, axis2=2),
+                    out=first[1:])
+        if hazard.any():  # ... made while the new session still runs
+            first = first * np.cumprod(np.concatenate([[1.0], 1.0 - hazard[np.minimum(np.arange(1, steps),
+                                                                                      len(hazard)) - 1]]))[:, None]
         # sessions yet to start are a Poisson stream of uses at this rate
-        new_rate = (np.clip(first, 0.0, 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(axis=0)
+        new_rate = (np.minimum(np.maximum(first, 0.0), 1.0) / (1.0 / session_start_rate + ahead)[:, None]).sum(axis=0)
         if interposed is not None and len(interposed) == n:
             new_rate = new_rate + session_start_rate * interposed
         unused = unused - new_rate * resolution
@@ -355,7 +346,7 @@ def score_reuse(
         agents=chain.agents,
         index=index,
         anchor_rate=anchor_rate,
-        sessions={name: i for i, name in enumerate(names)},
+        sessions=positions,
         session_rate=session_rate,
         dead=dead,
         steps=steps,

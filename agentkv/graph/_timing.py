@@ -5,12 +5,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["GapTable", "SessionTiming", "TimingConfig"]
+__all__ = ["GapTable", "LiveSessions", "SessionTiming", "TimingConfig"]
 
 # Gap histogram bins (seconds), log-spaced: 20 ms .. 2 h, ~30% wide. A gap below the first
 # edge counts in bin 0; one above the last edge in the last bin.
@@ -55,6 +57,25 @@ class _Session(NamedTuple):  # a tuple: one is built per request, ~5x faster tha
     tool_call: bool | None = None  # the last request's answer was a tool call (None: not told)
 
 
+class LiveSessions(NamedTuple):
+    """The live sessions as columns, one entry per session: its name, current agent, last
+    arrival, dispatches so far, and P(its dispatch goes on) given what its last answer was
+    (None: not told)."""
+
+    names: Sequence[str]
+    agents: Sequence[str]
+    seen: Sequence[float]
+    dispatches: Sequence[int]
+    going_on: Sequence[float | None]
+
+    def without(self, ended: AbstractSet[str]) -> LiveSessions:
+        """These sessions less those in ``ended`` (e.g. a dict's keys)."""
+        if ended.isdisjoint(self.names):
+            return self
+        keep = [i for i, name in enumerate(self.names) if name not in ended]
+        return LiveSessions(*(tuple(column[i] for i in keep) for column in self))
+
+
 @dataclass(frozen=True)
 class GapTable:
     """Read-only per-agent view of the learned gap distributions, evaluated at bin edges.
@@ -92,7 +113,11 @@ class GapTable:
 
     def split_at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(P(tool gap > idle), its time left, P(hand-off gap > idle), its time left)."""
-        return (*_read(*self.tool, rows, idle), *_read(*self.handoff, rows, idle))
+        bins = np.minimum(np.maximum(np.searchsorted(_EDGES, idle, side="right") - 1, 0), _BINS - 1)
+        past = np.maximum(idle - _EDGES[bins], 0.0)  # time since the bin's lower edge
+        (tool_survival, tool_residual), (handoff_survival, handoff_residual) = self.tool, self.handoff
+        return (tool_survival[rows, bins], tool_residual[rows, bins] - past,
+                handoff_survival[rows, bins], handoff_residual[rows, bins] - past)
 
 
 def _read(survival: np.ndarray, residual: np.ndarray, rows: np.ndarray,
@@ -162,6 +187,7 @@ class SessionTiming:
         self._last_start = 0.0
         self._start_interval = math.inf  # EWMA of the time between session starts
         self._lengths = np.zeros(_MAX_LENGTH)  # decayed counts of ended sessions by dispatches
+        self._touched: set[str] | None = set()  # see ``take_touched``; None: more than max_sessions
         self.version = 0
 
     # -- learning --------------------------------------------------------------------
@@ -184,7 +210,21 @@ class SessionTiming:
         self._sessions[session] = _Session(agent, now, step, dispatches)
         if len(self._sessions) > self.config.max_sessions:
             self._sessions.popitem(last=False)
+        self._touch(session)
         self.version += 1
+
+    def _touch(self, session: str) -> None:
+        touched = self._touched
+        if touched is not None:
+            touched.add(session)
+            if len(touched) > self.config.max_sessions:  # nobody asked for a while: say "all" instead
+                self._touched = None
+
+    def take_touched(self) -> set[str] | None:
+        """The sessions that had a request, a told answer or an end since the last call (None:
+        too many to list, take every session as touched); the next call starts afresh."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     def answered(self, session: str, tool_call: bool) -> None:
         """The session's last request finished; its answer was a tool call or not (a tool call
@@ -192,6 +232,7 @@ class SessionTiming:
         state = self._sessions.get(session)
         if state is not None and state.tool_call is not tool_call:
             self._sessions[session] = _Session(state.agent, state.seen, state.step, state.dispatches, tool_call)
+            self._touch(session)
             self.version += 1
 
     def end(self, session: str) -> None:
@@ -200,6 +241,7 @@ class SessionTiming:
         if state is not None:
             self._lengths *= _LENGTH_DECAY
             self._lengths[min(state.dispatches, _MAX_LENGTH) - 1] += 1.0
+            self._touch(session)
             self.version += 1
 
     def end_hazards(self) -> np.ndarray:
@@ -276,6 +318,20 @@ class SessionTiming:
                     going_on = told[agent, tool_call] = self.continuation_after(agent, tool_call)
             out.append((session, agent, seen, dispatches, going_on))
         return out
+
+    def live(self) -> LiveSessions:
+        """``sessions()`` as columns (what ``score_reuse`` reads), oldest first."""
+        if not self._sessions:
+            return LiveSessions((), (), (), (), ())
+        agents, seen, _, dispatches, tool_calls = zip(*self._sessions.values(), strict=True)
+        going_on: Sequence[float | None] = tool_calls
+        if tool_calls.count(None) != len(tool_calls):
+            told: dict[tuple[str, bool], float] = {}  # once per agent and answer kind
+            for key in zip(agents, tool_calls, strict=True):
+                if key[1] is not None and key not in told:
+                    told[key] = self.continuation_after(*key)
+            going_on = [told.get(key) for key in zip(agents, tool_calls, strict=True)]
+        return LiveSessions(tuple(self._sessions), agents, seen, dispatches, going_on)
 
     def last_seen(self, session: str) -> float | None:
         state = self._sessions.get(session)

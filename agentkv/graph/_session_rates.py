@@ -1,0 +1,81 @@
+"""The next use of each live session's history, per agent: the vectorised core of ``score_reuse``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._passage import by_origin
+from ._predictor import ChainModel
+from ._timing import GapTable, LiveSessions
+
+__all__ = ["SURE", "rate_after", "session_rates"]
+
+SURE = 1.0 - 1e-9  # the largest chance of a use within the resolution (keeps log1p finite)
+
+
+def rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
+    """Reuses per second of one use expected after ``time``: P(within the resolution) / resolution."""
+    return -np.expm1(-resolution / time) / resolution
+
+
+def session_rates(chain: ChainModel, gaps: GapTable, live: LiveSessions, chain_rows: list[int], *, now: float,
+                  continuation: Mapping[str, float], interposed: np.ndarray | None, hazard: np.ndarray,
+                  passage: np.ndarray, resolution: float, mean_gap: float, ahead: np.ndarray,
+                  end_floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """(rate[s, a] of the next use of agent a's prefix in session s, P(a gap as long as s's idle
+    time)[s]) for the sessions ``live`` (at least one), whose agents are ``chain_rows`` of the chain.
+
+    See ``score_reuse`` for the model and the arguments.
+    """
+    n = len(chain.agents)
+    matrix = chain.matrix
+    steps = len(passage)
+    known = len(live.names)
+    rows = np.array(chain_rows, dtype=np.intp)
+    # per agent of the chain once, then read per session
+    gap_rows = np.array(list(map(gaps.row, chain.agents)), dtype=np.intp)[rows]
+    going_on = np.array([continuation.get(agent, 0.0) for agent in chain.agents], dtype=float)[rows]
+    idle = np.maximum(now - np.array(live.seen, dtype=float), 0.0)
+    done = np.minimum(np.maximum(np.array(live.dispatches, dtype=np.intp), 1), len(hazard))
+    ends = bool(hazard.any())  # False: every session runs on (no factor of 1.0 to apply)
+    told = np.array(live.going_on, dtype=float)  # None (not told) reads as NaN
+    tool_left, tool_time, handoff_left, handoff_time = gaps.split_at(gap_rows, idle)
+    row_sums = matrix[rows].sum(axis=1)
+    stays = np.minimum(np.maximum(np.minimum(row_sums, 1.0 - hazard[done - 1]), 0.0), 1.0 - end_floor)
+    # P(the same dispatch sends another request, e.g. after a tool call): continuation is
+    # counted among requests that had a next one, and a session ends only between dispatches
+    tool = going_on * stays / np.maximum(1.0 - going_on + going_on * stays, 1e-12)
+    tool = np.where(np.isnan(told), tool, told)  # given what the server read off the last answer
+    # which of tool call, next dispatch and end the session is in, given its idle time
+    in_tool = tool * tool_left
+    in_handoff = (1.0 - tool) * stays * handoff_left
+    total = in_tool + in_handoff + (1.0 - tool) * (1.0 - stays)
+    some = total > 0
+    in_tool = np.divide(in_tool, total, out=np.zeros_like(total), where=some)
+    in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=some)
+    tool_soon = np.maximum(tool_time, resolution)
+    handoff_soon = np.maximum(handoff_time, resolution)
+    after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
+    # P(the session still runs at its k-th next dispatch): it did not end after any before
+    # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
+    # the chain's rows lose the chance of ending, which ``stays`` accounts for
+    weights = (in_handoff[None, :] * rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
+               + in_tool[None, :] * rate_after(after_tool[None, :] + ahead[:, None], resolution))
+    if ends:
+        after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
+        alive = np.ones((steps, known))
+        np.cumprod(1.0 - hazard[after], axis=0, out=alive[1:])
+        weights = weights * alive
+    weights = weights / np.maximum(row_sums, 1e-12)[None, :]
+    # sum over k of weights[k, s] * passage[k, rows[s], :], read from one block per start
+    session_rate = np.einsum("sk,skn->sn", weights.T, by_origin(passage).take(rows, axis=0))
+    session_rate[np.arange(known), rows] += in_tool * rate_after(tool_soon, resolution)
+    if interposed is not None and len(interposed) == n:
+        session_rate += (in_handoff * rate_after(handoff_soon, resolution)
+                         + in_tool * rate_after(after_tool, resolution))[:, None] * interposed[None, :]
+    session_rate = np.minimum(session_rate, SURE / resolution)
+    # P(a gap this long | the request's kind): a told answer waits only for a hand-off
+    still = tool * tool_left + (1.0 - tool) * handoff_left
+    return session_rate, still
