@@ -8,9 +8,9 @@ from typing import Any
 
 from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
 from .plan import TapePlan
-from .replay import replay
+from .replay import replay, time_model_of
 from .report import targets
-from .tape import read_tape
+from .tape import TapeError, read_tape
 
 __all__ = ["candidate_capacities", "sweep"]
 
@@ -21,7 +21,14 @@ _PLANS: dict[str, TapePlan] = {}
 def _plan(path: str) -> TapePlan:
     plan = _PLANS.get(path)
     if plan is None:
-        plan = _PLANS[path] = TapePlan(read_tape(path))
+        try:
+            tape = read_tape(path)
+            time_model_of(tape)  # a bad workload.time_model fails here, named with its path
+        except (TapeError, OSError) as exc:
+            raise TapeError(f"{path}: {exc}") from exc
+        if not tape.requests:
+            raise TapeError(f"{path}: the tape has no requests to replay")
+        plan = _PLANS[path] = TapePlan(tape)
     return plan
 
 

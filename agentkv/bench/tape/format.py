@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,15 +170,17 @@ def _check_header(header: object) -> dict[str, Any]:
     if header.get("version") != VERSION:
         raise _fail(1, f"unsupported version {header.get('version')!r} (this reader: {VERSION})")
     block_size = header.get("block_size")
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise _fail(1, "block_size must be a positive integer")
     tokens = header.get("tokens", {})
     if not isinstance(tokens, dict):
         raise _fail(1, "tokens must be an object")
     for name in ("vocab", "offset"):
         value = tokens.get(name, 1)
-        if not isinstance(value, int) or value < (1 if name == "vocab" else 0):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "vocab" else 0):
             raise _fail(1, f"tokens.{name} must be a non-negative integer")
+    if not isinstance(header.get("workload", {}), dict):
+        raise _fail(1, "workload must be an object")
     if "graph" in header:
         _check_graph(header["graph"])
     return header
@@ -199,7 +202,7 @@ def _check_graph(graph: object) -> None:
         raise _fail(1, "graph.edges and graph.entry may only name graph.nodes")
 
 
-def _parse_request(obj: object, line: int) -> TapeRequest:
+def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
     if not isinstance(obj, dict):
         raise _fail(line, "a request must be a JSON object")
     for name, kind in (("t", (int, float)), ("session", str), ("agent", str), ("parent", str),
@@ -216,6 +219,8 @@ def _parse_request(obj: object, line: int) -> TapeRequest:
         segments.append((segment[0], segment[1]))
     if not segments:
         raise _fail(line, "a request needs at least one segment")
+    if not (math.isfinite(obj["t"]) and math.isfinite(obj["tool_gap"])):
+        raise _fail(line, "t and tool_gap must be finite numbers")
     if obj["output_tokens"] < 1 or obj["tool_gap"] < 0 or obj["t"] < 0 or not obj["session"] or not obj["agent"]:
         raise _fail(line, "output_tokens >= 1, tool_gap >= 0, t >= 0 and non-empty session and agent are required")
     step = obj.get("step")
@@ -224,7 +229,7 @@ def _parse_request(obj: object, line: int) -> TapeRequest:
     output = obj.get("output", "")
     if not isinstance(output, str):
         raise _fail(line, "output must be a string key")
-    request_id = obj.get("id", f"r{line - 2}")
+    request_id = obj.get("id", f"r{index}")
     if not isinstance(request_id, str) or not request_id:
         raise _fail(line, "id must be a non-empty string")
     abandoned = obj.get("abandoned", False)
@@ -244,31 +249,58 @@ def read_tape(path: str | Path | TextIO) -> Tape:
     ids: set[str] = set()
     ended: dict[str, int] = {}  # session -> line of its request marked abandoned
     last_t = 0.0
-    for number, raw in enumerate(path, start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise _fail(number, f"not JSON ({exc.msg})") from exc
-        if header is None:
-            header = _check_header(obj)
-            continue
-        request = _parse_request(obj, number)
-        if request.t < last_t:
-            raise _fail(number, f"t={request.t} goes back in time (previous {last_t}): requests are in arrival order")
-        if request.id in ids:
-            raise _fail(number, f"duplicate id {request.id!r}")
-        if request.session in ended:
-            raise _fail(ended[request.session], "abandoned marks a request that is not its session's last")
-        if request.abandoned:
-            ended[request.session] = number
-        ids.add(request.id)
-        last_t = request.t
-        requests.append(request)
+    number = 0
+    try:
+        for number, raw in enumerate(path, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw, parse_constant=_reject_constant)
+            except json.JSONDecodeError as exc:
+                raise _fail(number, f"not JSON ({exc.msg})") from exc
+            except ValueError as exc:
+                raise _fail(number, str(exc)) from exc
+            if header is None:
+                header = _check_header(obj)
+                continue
+            _append_request(_parse_request(obj, number, len(requests)), number, requests, ids, ended, last_t)
+            last_t = requests[-1].t
+    except UnicodeDecodeError as exc:
+        raise TapeError(f"tape is not UTF-8 ({exc.reason}, after line {number})") from exc
     if header is None:
         raise TapeError("empty tape: no header line")
+    _check_graph_agents(header, requests)
     return Tape(header, requests)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _append_request(request: TapeRequest, number: int, requests: list[TapeRequest], ids: set[str],
+                    ended: dict[str, int], last_t: float) -> None:
+    if request.t < last_t:
+        raise _fail(number, f"t={request.t} goes back in time (previous {last_t}): requests are in arrival order")
+    if request.id in ids:
+        raise _fail(number, f"duplicate id {request.id!r}")
+    if request.session in ended:
+        raise _fail(ended[request.session], "abandoned marks a request that is not its session's last")
+    if request.abandoned:
+        ended[request.session] = number
+    ids.add(request.id)
+    requests.append(request)
+
+
+def _check_graph_agents(header: dict[str, Any], requests: list[TapeRequest]) -> None:
+    """A declared graph names every agent of the tape (its nodes are the app's agents)."""
+    graph = header.get("graph")
+    if graph is None:
+        return
+    nodes = set(graph["nodes"])
+    missing = sorted({r.agent for r in requests} - nodes)
+    if missing:
+        raise _fail(1, f"graph.nodes must list every agent of the tape; missing {missing[:5]}"
+                       + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
 def write_tape(tape: Tape, path: str | Path | TextIO) -> None:
