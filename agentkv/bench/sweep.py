@@ -8,7 +8,7 @@ from typing import Any
 
 from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
 from .plan import TapePlan
-from .replay import replay, time_model_of
+from .replay import CapacityError, replay, time_model_of
 from .report import targets
 from .tape import TapeError, read_tape
 
@@ -58,6 +58,9 @@ def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, c
         plan = _plan(path)
         caps = sorted(set(capacities)) if capacities else candidate_capacities(plan, multipliers)
         caps = [c for c in caps if c - 1 >= plan.max_request_blocks]
+        if not caps:
+            raise CapacityError(f"{path}: no capacity holds the tape's largest request "
+                                f"({plan.max_request_blocks} blocks + the null block)")
         tapes.append({"path": path, "name": plan.tape.name, "topology": plan.topology_name,
                       "target_r": plan.tape.header.get("target_predictability"), "summary": plan.tape.summary(),
                       "max_request_blocks": plan.max_request_blocks, "anchor_blocks": plan.anchor_blocks,

@@ -121,3 +121,13 @@ def test_cli_reports_a_bad_tape_in_one_line(tmp_path, content, message):
               "--out", str(tmp_path / "out")])
     text = str(exit_info.value.code)
     assert text.startswith(f"agentkv bench replay: {path}") and message in text and "\n" not in text
+
+
+def test_cli_refuses_capacities_below_the_largest_request(tmp_path):
+    from agentkv.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "replay", str(ODD_SHAPES), "--capacities", "5,11", "--jobs", "1", "--quiet",
+              "--out", str(tmp_path / "out")])
+    assert str(exit_info.value.code) == (f"agentkv bench replay: {ODD_SHAPES}: no capacity holds the tape's "
+                                         "largest request (11 blocks + the null block)")
