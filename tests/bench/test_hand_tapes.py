@@ -83,6 +83,7 @@ BAD_UTF8 = json.dumps(HEADER).encode() + b'\n{"t": 0, "session": "\xff"}\n'
         (json.dumps(HEADER) + '\n{"t": NaN, "session": "s", "agent": "x", "parent": "", "segments": [["k", 2]], '
          '"output_tokens": 1, "tool_gap": 0}', "line 2: NaN is not a JSON number"),
         (json.dumps(HEADER) + "\n" + json.dumps(_request(tool_gap=1e400)), "Infinity is not a JSON number"),
+        (json.dumps(dict(HEADER, tokens={"offset": 2**70})) + "\n" + json.dumps(_request()), "2\\*\\*31"),
         (json.dumps(HEADER) + "\n" + json.dumps(_request()).replace('"tool_gap": 0', '"tool_gap": 1e400'),
          "finite"),
         (json.dumps(dict(HEADER, graph={"nodes": ["y"], "edges": [], "entry": ["y"]})) + "\n"

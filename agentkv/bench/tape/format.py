@@ -34,6 +34,7 @@ VERSION = 1
 DEFAULT_VOCAB = 30_000
 DEFAULT_OFFSET = 1_000
 ANCHOR_PREFIX = "anchor/"
+MAX_TOKEN_ID = 2**31 - 1  # an engine's token ids are 32-bit
 
 
 class TapeError(ValueError):
@@ -179,6 +180,8 @@ def _check_header(header: object) -> dict[str, Any]:
         value = tokens.get(name, 1)
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "vocab" else 0):
             raise _fail(1, f"tokens.{name} must be a non-negative integer")
+    if tokens.get("vocab", DEFAULT_VOCAB) + tokens.get("offset", DEFAULT_OFFSET) > MAX_TOKEN_ID + 1:
+        raise _fail(1, f"token ids must stay below 2**31 (tokens.vocab + tokens.offset <= {MAX_TOKEN_ID + 1})")
     if not isinstance(header.get("workload", {}), dict):
         raise _fail(1, "workload must be an object")
     if "graph" in header:
