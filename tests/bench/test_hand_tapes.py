@@ -3,6 +3,7 @@ tapes outside the format fail with one clear line, never a traceback."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 from agentkv.bench.plan import TapePlan
 from agentkv.bench.policies import POLICIES, AgentKV
 from agentkv.bench.replay import Replay, replay
-from agentkv.bench.tape import TapeError, read_tape
+from agentkv.bench.tape import TapeError, read_tape, write_tape
 
 ODD_SHAPES = Path(__file__).parent / "tapes" / "odd-shapes.jsonl"
 HEADER = {"format": "agentkv-tape", "version": 1, "block_size": 16}
@@ -132,3 +133,18 @@ def test_cli_refuses_capacities_below_the_largest_request(tmp_path):
               "--out", str(tmp_path / "out")])
     assert str(exit_info.value.code) == (f"agentkv bench replay: {ODD_SHAPES}: no capacity holds the tape's "
                                          "largest request (11 blocks + the null block)")
+
+
+def test_a_tape_without_parents_replays_as_the_one_with_them():
+    from agentkv.bench.tape import Tape, WorkloadConfig, generate
+
+    tape = generate(WorkloadConfig(topology="pipeline", sessions=6, seed=3))
+    bare = Tape(tape.header, [dataclasses.replace(r, parent=None) for r in tape.requests])
+    text = io.StringIO()
+    write_tape(bare, text)
+    assert '"parent"' not in text.getvalue()
+    with_parents, without = TapePlan(tape), TapePlan(read_tape(io.StringIO(text.getvalue())))
+    assert without.entry_agents() == with_parents.entry_agents() == ["supervisor"]
+    cap = 2 * with_parents.max_request_blocks + 1
+    assert replay(without, "agentkv", cap).hit_tokens == replay(with_parents, "agentkv", cap).hit_tokens
+    assert replay(without, "agentkv", cap).hit_tokens > replay(without, "lru", cap).hit_tokens

@@ -73,7 +73,7 @@ class TapeRequest:
     t: float  # arrival time, seconds from the tape's start
     session: str
     agent: str
-    parent: str  # the agent of the session's previous dispatch; "" in its first dispatch
+    parent: str | None  # the agent of the session's previous dispatch; "" in its first; None: not given
     segments: tuple[tuple[str, int], ...]  # the prompt: [key, n_tokens] spans, in order
     output_tokens: int
     tool_gap: float  # seconds before the session's next request (tool time or hand-off)
@@ -104,6 +104,8 @@ class TapeRequest:
         }
         if self.step is None:
             del line["step"]
+        if self.parent is None:
+            del line["parent"]
         if not self.output:
             del line["output"]
         if self.abandoned:
@@ -208,12 +210,15 @@ def _check_graph(graph: object) -> None:
 def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
     if not isinstance(obj, dict):
         raise _fail(line, "a request must be a JSON object")
-    for name, kind in (("t", (int, float)), ("session", str), ("agent", str), ("parent", str),
-                       ("segments", list), ("output_tokens", int), ("tool_gap", (int, float))):
+    for name, kind in (("t", (int, float)), ("session", str), ("agent", str), ("segments", list),
+                       ("output_tokens", int), ("tool_gap", (int, float))):
         if name not in obj:
             raise _fail(line, f"missing field {name!r}")
         if not isinstance(obj[name], kind) or isinstance(obj[name], bool):
             raise _fail(line, f"field {name!r} has the wrong type")
+    parent = obj.get("parent")
+    if parent is not None and not isinstance(parent, str):
+        raise _fail(line, "field 'parent' has the wrong type")
     segments = []
     for segment in obj["segments"]:
         if (not isinstance(segment, list) or len(segment) != 2 or not isinstance(segment[0], str)
@@ -238,7 +243,7 @@ def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
     abandoned = obj.get("abandoned", False)
     if not isinstance(abandoned, bool):
         raise _fail(line, "abandoned must be true or false")
-    return TapeRequest(request_id, float(obj["t"]), obj["session"], obj["agent"], obj["parent"], tuple(segments),
+    return TapeRequest(request_id, float(obj["t"]), obj["session"], obj["agent"], parent, tuple(segments),
                        obj["output_tokens"], float(obj["tool_gap"]), step, output, abandoned)
 
 
