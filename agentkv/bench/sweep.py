@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -10,9 +11,11 @@ from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
 from .plan import TapePlan
 from .replay import CapacityError, replay, time_model_of
 from .report import targets
-from .tape import TapeError, read_tape
+from .tape import Tape, TapeError, read_tape
 
 __all__ = ["candidate_capacities", "sweep"]
+
+_log = logging.getLogger(__name__)
 
 
 _PLANS: dict[str, TapePlan] = {}
@@ -28,6 +31,11 @@ def _plan(path: str) -> TapePlan:
             raise TapeError(f"{path}: {exc}") from exc
         if not tape.requests:
             raise TapeError(f"{path}: the tape has no requests to replay")
+        restarts = _restarts(tape)
+        if restarts > len(tape.requests) // 2:
+            _log.warning('%s: %d of %d requests have parent "" after their session\'s first request (each starts a '
+                         'new conversation, agentkv learns no transition from it); leave parent out if the tape '
+                         'does not track it', path, restarts, len(tape.requests))
         plan = _PLANS[path] = TapePlan(tape)
     return plan
 
@@ -37,6 +45,16 @@ def _cell(path: str, policy: str, capacity: int, ttl: float | None) -> dict[str,
     out = result.to_json()
     out["tape"] = _plan(path).tape.name
     return out
+
+
+def _restarts(tape: Tape) -> int:
+    """Requests with parent "" in a session that already had one (the session id starts over)."""
+    seen: set[str] = set()
+    count = 0
+    for request in tape.requests:
+        count += request.parent == "" and request.session in seen
+        seen.add(request.session)
+    return count
 
 
 def candidate_capacities(plan: TapePlan, multipliers: Sequence[float] = DEFAULT_MULTIPLIERS) -> list[int]:

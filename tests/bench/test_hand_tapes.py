@@ -148,3 +148,12 @@ def test_a_tape_without_parents_replays_as_the_one_with_them():
     cap = 2 * with_parents.max_request_blocks + 1
     assert replay(without, "agentkv", cap).hit_tokens == replay(with_parents, "agentkv", cap).hit_tokens
     assert replay(without, "agentkv", cap).hit_tokens > replay(without, "lru", cap).hit_tokens
+
+
+def test_a_tape_whose_every_parent_is_empty_is_warned_about(caplog):
+    from agentkv.bench import sweep as sweep_module
+
+    sweep_module._PLANS.pop(str(ODD_SHAPES), None)
+    with caplog.at_level("WARNING", logger="agentkv.bench.sweep"):
+        sweep_module._plan(str(ODD_SHAPES))
+    assert f'{ODD_SHAPES}: 34 of 36 requests have parent "" after their session\'s first request' in caplog.text
