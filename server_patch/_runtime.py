@@ -31,7 +31,7 @@ from agentkv.graph import (
     restore_or_fresh,
     score_reuse,
 )
-from agentkv.protocol import AgentTag, MalformedCounter, ProtocolError, parse_xargs
+from agentkv.protocol import AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_id
 
 from ._config import RuntimeConfig
 from ._free_queue import ScoredFreeBlockQueue
@@ -199,15 +199,18 @@ class AgentKVRuntime(RuntimeControl):
             if not tag.warmup:
                 self.recognizer.observe_tagged(tag.agent, request.block_hashes, tokens, self.block_size)
             return tag
+        session_id = request.session_id
+        if session_id:
+            try:
+                validate_id(session_id, "session")
+            except ProtocolError as exc:  # an X-Session-ID outside the wire alphabet: counted, then
+                self.malformed.record((exc,))  # type: ignore[arg-type]
+                session_id = None  # recognition follows the conversation itself
         found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
-                                          request.session_id)
+                                          session_id or None)
         if found.agent is None:
             return None
-        try:
-            return AgentTag(found.agent, found.session, found.parent, found.step)
-        except ProtocolError as exc:  # an X-Session-ID outside the wire alphabet
-            self.malformed.record((exc,))  # type: ignore[arg-type]
-            return None
+        return AgentTag(found.agent, found.session, found.parent, found.step)
 
     # -- scheduler events ----------------------------------------------------------
 

@@ -109,9 +109,10 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_replay(args: argparse.Namespace) -> None:
     from .policies import POLICIES
+    from .replay import CapacityError
     from .report import markdown, plot
     from .sweep import sweep
-    from .tape import generate, write_tape
+    from .tape import TapeError, generate, write_tape
 
     policies = [p for p in args.policies.split(",") if p]
     unknown = [p for p in policies if p not in POLICIES]
@@ -127,9 +128,12 @@ def run_replay(args: argparse.Namespace) -> None:
             write_tape(tape, path)
             paths.append(str(path))
     started = time.perf_counter()
-    report = sweep(paths, policies=policies, capacities=args.capacities, multipliers=args.multipliers,
-                   margin=args.margin, preflight=not args.no_preflight, skip_dropped=args.skip_dropped,
-                   ttl=args.ttl, jobs=args.jobs, progress=not args.quiet)
+    try:
+        report = sweep(paths, policies=policies, capacities=args.capacities, multipliers=args.multipliers,
+                       margin=args.margin, preflight=not args.no_preflight, skip_dropped=args.skip_dropped,
+                       ttl=args.ttl, jobs=args.jobs, progress=not args.quiet)
+    except (TapeError, CapacityError) as exc:  # a tape outside the format, or one the engine cannot hold
+        raise SystemExit(f"agentkv bench replay: {exc}") from None
     report["command"] = "agentkv bench replay " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "replay"]
                                                            else sys.argv[1:])
     report["wall_s"] = round(time.perf_counter() - started, 1)

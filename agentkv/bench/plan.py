@@ -171,7 +171,13 @@ class TapePlan:
         graph = self.header_graph
         if graph is not None and graph.get("entry"):
             return list(graph["entry"])
-        return list(dict.fromkeys(r.agent for r in self.requests if r.parent == ""))
+        seen: set[str] = set()
+        first = []
+        for r in self.requests:  # a request without a parent is its session's first when the session is new
+            if r.parent == "" or (r.parent is None and r.session not in seen):
+                first.append(r.agent)
+            seen.add(r.session)
+        return list(dict.fromkeys(first))
 
     def graph_event(self) -> dict[str, Any] | None:
         """The ``graph`` event the app would send (ids outside the wire alphabet left out); None without a graph."""

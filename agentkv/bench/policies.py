@@ -21,6 +21,7 @@ value of a group; lowest evicted first, ties by recency). In the spirit of SGLan
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from .tape import TapeRequest
 
 __all__ = ["POLICIES", "Policy", "ScoredPolicy", "make_policy"]
+
+_log = logging.getLogger(__name__)
 
 
 # -- L0: Continuum-style TTL pinning ----------------------------------------------------
@@ -248,11 +251,16 @@ class AgentKV(Policy):
         self.bucket = TokenBucket(self.max_per_second, self.burst, sim.clock)
         self.runtime = AgentKVRuntime(self.config, clock=sim.clock)
         self.runtime.install(sim.kv)
+        self.graph_refused: str | None = None
         if self.facts:
             event = sim.plan.graph_event()
             if event is not None:
                 result = self.runtime.apply_events({"version": 1, "events": [event]})
-                assert result.get("accepted") == 1, result
+                if result.get("accepted") != 1:  # e.g. more edges than the protocol takes: run without it
+                    self.graph_refused = str(result.get("error") or result)[:200]
+                    self.fallbacks["graph_refused"] += 1
+                    _log.warning("%s: the runtime refused the tape's graph event, replaying without it: %s",
+                                 self.name, self.graph_refused)
 
     def on_arrival(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
         self.runtime.on_add_request(request)
@@ -312,6 +320,8 @@ class AgentKV(Policy):
             "runtime_evictions": stats["evictions"],
             "anchor_length_blocks": {a: v["anchor_length_blocks"] for a, v in sorted(stats["agents"].items())},
         }
+        if self.graph_refused is not None:
+            out["graph_refused"] = self.graph_refused
         if self.warmup:
             out["warmups"] = dict(sorted(self.warmups.items()))
             out["warmup_fallbacks"] = dict(sorted(self.fallbacks.items()))

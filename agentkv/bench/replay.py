@@ -10,6 +10,7 @@ eviction are real.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +27,9 @@ from .kv_manager import make_manager
 from .plan import TapePlan
 from .policies import make_policy
 from .simulator import Policy
-from .tape import Tape, TimeModel
+from .tape import Tape, TapeError, TimeModel
 
-__all__ = ["CapacityError", "Replay", "ReplayResult", "replay"]
+__all__ = ["CapacityError", "Replay", "ReplayResult", "replay", "time_model_of"]
 
 
 @dataclass
@@ -112,8 +113,10 @@ class Replay:
                                 f"({plan.max_request_blocks} blocks + the null block)")
         self.plan = plan
         self.policy = policy
-        self.time_model = time_model or _time_model_of(plan.tape)
-        self.kv = make_manager(num_blocks, plan.block_size)
+        self.time_model = time_model or time_model_of(plan.tape)
+        # a prompt may exceed the default model length: the simulated engine has no model to limit it
+        self.kv = make_manager(num_blocks, plan.block_size,
+                               max_model_len=max(1 << 16, plan.max_request_blocks * plan.block_size))
         self.pool = self.kv.block_pool
         self.now = 0.0
         self.next_index = 0  # the next request to start (requests start in tape order)
@@ -288,14 +291,20 @@ class Replay:
         return True
 
 
-def _time_model_of(tape: Tape) -> TimeModel:
+def time_model_of(tape: Tape) -> TimeModel:
+    """The replay's time model: the header's ``workload.time_model`` if given (validated), else the default."""
     raw = tape.header.get("workload", {}).get("time_model")
-    if isinstance(raw, dict):
-        try:
-            return TimeModel(**raw)
-        except TypeError:
-            pass
-    return TimeModel()
+    if not isinstance(raw, dict):
+        return TimeModel()
+    try:
+        model = TimeModel(**raw)
+    except TypeError as exc:
+        raise TapeError(f"workload.time_model: {exc}") from None
+    values = (model.prefill_tps, model.tpot, model.overhead)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values) \
+            or model.prefill_tps <= 0 or model.tpot < 0 or model.overhead < 0:
+        raise TapeError("workload.time_model needs prefill_tps > 0, tpot >= 0 and overhead >= 0 (finite numbers)")
+    return model
 
 
 def replay(plan: TapePlan, policy: str | Policy, num_blocks: int, **options: Any) -> ReplayResult:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
 from .plan import TapePlan
-from .replay import replay
+from .replay import CapacityError, replay, time_model_of
 from .report import targets
-from .tape import read_tape
+from .tape import Tape, TapeError, read_tape
 
 __all__ = ["candidate_capacities", "sweep"]
+
+_log = logging.getLogger(__name__)
 
 
 _PLANS: dict[str, TapePlan] = {}
@@ -21,7 +24,19 @@ _PLANS: dict[str, TapePlan] = {}
 def _plan(path: str) -> TapePlan:
     plan = _PLANS.get(path)
     if plan is None:
-        plan = _PLANS[path] = TapePlan(read_tape(path))
+        try:
+            tape = read_tape(path)
+            time_model_of(tape)  # a bad workload.time_model fails here, named with its path
+        except (TapeError, OSError) as exc:
+            raise TapeError(f"{path}: {exc}") from exc
+        if not tape.requests:
+            raise TapeError(f"{path}: the tape has no requests to replay")
+        restarts = _restarts(tape)
+        if restarts > len(tape.requests) // 2:
+            _log.warning('%s: %d of %d requests have parent "" after their session\'s first request (each starts a '
+                         'new conversation, agentkv learns no transition from it); leave parent out if the tape '
+                         'does not track it', path, restarts, len(tape.requests))
+        plan = _PLANS[path] = TapePlan(tape)
     return plan
 
 
@@ -30,6 +45,16 @@ def _cell(path: str, policy: str, capacity: int, ttl: float | None) -> dict[str,
     out = result.to_json()
     out["tape"] = _plan(path).tape.name
     return out
+
+
+def _restarts(tape: Tape) -> int:
+    """Requests with parent "" in a session that already had one (the session id starts over)."""
+    seen: set[str] = set()
+    count = 0
+    for request in tape.requests:
+        count += request.parent == "" and request.session in seen
+        seen.add(request.session)
+    return count
 
 
 def candidate_capacities(plan: TapePlan, multipliers: Sequence[float] = DEFAULT_MULTIPLIERS) -> list[int]:
@@ -51,6 +76,9 @@ def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, c
         plan = _plan(path)
         caps = sorted(set(capacities)) if capacities else candidate_capacities(plan, multipliers)
         caps = [c for c in caps if c - 1 >= plan.max_request_blocks]
+        if not caps:
+            raise CapacityError(f"{path}: no capacity holds the tape's largest request "
+                                f"({plan.max_request_blocks} blocks + the null block)")
         tapes.append({"path": path, "name": plan.tape.name, "topology": plan.topology_name,
                       "target_r": plan.tape.header.get("target_predictability"), "summary": plan.tape.summary(),
                       "max_request_blocks": plan.max_request_blocks, "anchor_blocks": plan.anchor_blocks,

@@ -86,3 +86,20 @@ def test_recognition_off():
     measured = sessions(runtime, kv, 4)
     assert all(runtime.tag_of(req) is None for _, req in measured)
     assert runtime.stats()["recognition"] is None and runtime.policy == "lru"
+
+
+def test_an_x_session_id_off_the_wire_is_counted_and_recognition_follows_the_session():
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    sessions(runtime, kv, 4)
+    history = tokens("task-odd", 50)
+    calls = []
+    for agent in AGENTS:  # a client whose session ids have spaces: not an agentkv id
+        req = untagged(ANCHORS[agent] + history, session_id="user 42")
+        run(kv, runtime, req)
+        calls.append(runtime.tag_of(req))
+        history = history + tokens(f"out-odd-{agent}", 40)
+    assert all(tag is not None and tag.agent.startswith("fp:") for tag in calls)
+    assert len({tag.session for tag in calls}) == 1 and calls[0].session.startswith("fs:")
+    assert [tag.parent for tag in calls] == ["", calls[0].agent, calls[1].agent]
+    assert runtime.malformed.total == 3  # each request's X-Session-ID counted, none served untagged

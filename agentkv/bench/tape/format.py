@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ VERSION = 1
 DEFAULT_VOCAB = 30_000
 DEFAULT_OFFSET = 1_000
 ANCHOR_PREFIX = "anchor/"
+MAX_TOKEN_ID = 2**31 - 1  # an engine's token ids are 32-bit
 
 
 class TapeError(ValueError):
@@ -71,7 +73,7 @@ class TapeRequest:
     t: float  # arrival time, seconds from the tape's start
     session: str
     agent: str
-    parent: str  # the agent of the session's previous dispatch; "" in its first dispatch
+    parent: str | None  # the agent of the session's previous dispatch; "" in its first; None: not given
     segments: tuple[tuple[str, int], ...]  # the prompt: [key, n_tokens] spans, in order
     output_tokens: int
     tool_gap: float  # seconds before the session's next request (tool time or hand-off)
@@ -102,6 +104,8 @@ class TapeRequest:
         }
         if self.step is None:
             del line["step"]
+        if self.parent is None:
+            del line["parent"]
         if not self.output:
             del line["output"]
         if self.abandoned:
@@ -169,15 +173,19 @@ def _check_header(header: object) -> dict[str, Any]:
     if header.get("version") != VERSION:
         raise _fail(1, f"unsupported version {header.get('version')!r} (this reader: {VERSION})")
     block_size = header.get("block_size")
-    if not isinstance(block_size, int) or block_size < 1:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise _fail(1, "block_size must be a positive integer")
     tokens = header.get("tokens", {})
     if not isinstance(tokens, dict):
         raise _fail(1, "tokens must be an object")
     for name in ("vocab", "offset"):
         value = tokens.get(name, 1)
-        if not isinstance(value, int) or value < (1 if name == "vocab" else 0):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "vocab" else 0):
             raise _fail(1, f"tokens.{name} must be a non-negative integer")
+    if tokens.get("vocab", DEFAULT_VOCAB) + tokens.get("offset", DEFAULT_OFFSET) > MAX_TOKEN_ID + 1:
+        raise _fail(1, f"token ids must stay below 2**31 (tokens.vocab + tokens.offset <= {MAX_TOKEN_ID + 1})")
+    if not isinstance(header.get("workload", {}), dict):
+        raise _fail(1, "workload must be an object")
     if "graph" in header:
         _check_graph(header["graph"])
     return header
@@ -199,15 +207,18 @@ def _check_graph(graph: object) -> None:
         raise _fail(1, "graph.edges and graph.entry may only name graph.nodes")
 
 
-def _parse_request(obj: object, line: int) -> TapeRequest:
+def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
     if not isinstance(obj, dict):
         raise _fail(line, "a request must be a JSON object")
-    for name, kind in (("t", (int, float)), ("session", str), ("agent", str), ("parent", str),
-                       ("segments", list), ("output_tokens", int), ("tool_gap", (int, float))):
+    for name, kind in (("t", (int, float)), ("session", str), ("agent", str), ("segments", list),
+                       ("output_tokens", int), ("tool_gap", (int, float))):
         if name not in obj:
             raise _fail(line, f"missing field {name!r}")
         if not isinstance(obj[name], kind) or isinstance(obj[name], bool):
             raise _fail(line, f"field {name!r} has the wrong type")
+    parent = obj.get("parent")
+    if parent is not None and not isinstance(parent, str):
+        raise _fail(line, "field 'parent' has the wrong type")
     segments = []
     for segment in obj["segments"]:
         if (not isinstance(segment, list) or len(segment) != 2 or not isinstance(segment[0], str)
@@ -216,6 +227,8 @@ def _parse_request(obj: object, line: int) -> TapeRequest:
         segments.append((segment[0], segment[1]))
     if not segments:
         raise _fail(line, "a request needs at least one segment")
+    if not (math.isfinite(obj["t"]) and math.isfinite(obj["tool_gap"])):
+        raise _fail(line, "t and tool_gap must be finite numbers")
     if obj["output_tokens"] < 1 or obj["tool_gap"] < 0 or obj["t"] < 0 or not obj["session"] or not obj["agent"]:
         raise _fail(line, "output_tokens >= 1, tool_gap >= 0, t >= 0 and non-empty session and agent are required")
     step = obj.get("step")
@@ -224,13 +237,13 @@ def _parse_request(obj: object, line: int) -> TapeRequest:
     output = obj.get("output", "")
     if not isinstance(output, str):
         raise _fail(line, "output must be a string key")
-    request_id = obj.get("id", f"r{line - 2}")
+    request_id = obj.get("id", f"r{index}")
     if not isinstance(request_id, str) or not request_id:
         raise _fail(line, "id must be a non-empty string")
     abandoned = obj.get("abandoned", False)
     if not isinstance(abandoned, bool):
         raise _fail(line, "abandoned must be true or false")
-    return TapeRequest(request_id, float(obj["t"]), obj["session"], obj["agent"], obj["parent"], tuple(segments),
+    return TapeRequest(request_id, float(obj["t"]), obj["session"], obj["agent"], parent, tuple(segments),
                        obj["output_tokens"], float(obj["tool_gap"]), step, output, abandoned)
 
 
@@ -244,31 +257,58 @@ def read_tape(path: str | Path | TextIO) -> Tape:
     ids: set[str] = set()
     ended: dict[str, int] = {}  # session -> line of its request marked abandoned
     last_t = 0.0
-    for number, raw in enumerate(path, start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise _fail(number, f"not JSON ({exc.msg})") from exc
-        if header is None:
-            header = _check_header(obj)
-            continue
-        request = _parse_request(obj, number)
-        if request.t < last_t:
-            raise _fail(number, f"t={request.t} goes back in time (previous {last_t}): requests are in arrival order")
-        if request.id in ids:
-            raise _fail(number, f"duplicate id {request.id!r}")
-        if request.session in ended:
-            raise _fail(ended[request.session], "abandoned marks a request that is not its session's last")
-        if request.abandoned:
-            ended[request.session] = number
-        ids.add(request.id)
-        last_t = request.t
-        requests.append(request)
+    number = 0
+    try:
+        for number, raw in enumerate(path, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw, parse_constant=_reject_constant)
+            except json.JSONDecodeError as exc:
+                raise _fail(number, f"not JSON ({exc.msg})") from exc
+            except ValueError as exc:
+                raise _fail(number, str(exc)) from exc
+            if header is None:
+                header = _check_header(obj)
+                continue
+            _append_request(_parse_request(obj, number, len(requests)), number, requests, ids, ended, last_t)
+            last_t = requests[-1].t
+    except UnicodeDecodeError as exc:
+        raise TapeError(f"tape is not UTF-8 ({exc.reason}, after line {number})") from exc
     if header is None:
         raise TapeError("empty tape: no header line")
+    _check_graph_agents(header, requests)
     return Tape(header, requests)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _append_request(request: TapeRequest, number: int, requests: list[TapeRequest], ids: set[str],
+                    ended: dict[str, int], last_t: float) -> None:
+    if request.t < last_t:
+        raise _fail(number, f"t={request.t} goes back in time (previous {last_t}): requests are in arrival order")
+    if request.id in ids:
+        raise _fail(number, f"duplicate id {request.id!r}")
+    if request.session in ended:
+        raise _fail(ended[request.session], "abandoned marks a request that is not its session's last")
+    if request.abandoned:
+        ended[request.session] = number
+    ids.add(request.id)
+    requests.append(request)
+
+
+def _check_graph_agents(header: dict[str, Any], requests: list[TapeRequest]) -> None:
+    """A declared graph names every agent of the tape (its nodes are the app's agents)."""
+    graph = header.get("graph")
+    if graph is None:
+        return
+    nodes = set(graph["nodes"])
+    missing = sorted({r.agent for r in requests} - nodes)
+    if missing:
+        raise _fail(1, f"graph.nodes must list every agent of the tape; missing {missing[:5]}"
+                       + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
 def write_tape(tape: Tape, path: str | Path | TextIO) -> None:

@@ -1,0 +1,159 @@
+"""Tapes written by hand, in shapes the generator never makes, replay (docs/tapes.md format v1);
+tapes outside the format fail with one clear line, never a traceback."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from agentkv.bench.plan import TapePlan
+from agentkv.bench.policies import POLICIES, AgentKV
+from agentkv.bench.replay import Replay, replay
+from agentkv.bench.tape import TapeError, read_tape, write_tape
+
+ODD_SHAPES = Path(__file__).parent / "tapes" / "odd-shapes.jsonl"
+HEADER = {"format": "agentkv-tape", "version": 1, "block_size": 16}
+
+
+def _request(t: float = 0.0, agent: str = "x", segments: list | None = None, **extra: object) -> dict:
+    return {"t": t, "session": "s", "agent": agent, "parent": "", "segments": segments or [["anchor/x", 40]],
+            "output_tokens": 2, "tool_gap": 0, **extra}
+
+
+def _plan(*lines: dict) -> TapePlan:
+    return TapePlan(read_tape(io.StringIO("\n".join(json.dumps(x) for x in lines))))
+
+
+@pytest.fixture(scope="module")
+def odd() -> TapePlan:
+    return TapePlan(read_tape(ODD_SHAPES))
+
+
+def test_default_ids_count_requests_not_lines(odd):
+    # the fixture has a blank line after its fifth request; later prompts continue "r<index>/out"
+    assert [r.id for r in odd.requests] == [f"r{i}" for i in range(36)]
+    outputs = {r.output_key for r in odd.requests}
+    assert all(key in outputs for r in odd.requests for key, _ in r.segments if key.endswith("/out"))
+
+
+def test_odd_shapes_replay_under_every_policy(odd):
+    # block size 32, parent "" and no step everywhere, session ids reused after their conversation ended,
+    # agent and session ids outside the wire alphabet, equal arrival times, tool gaps 0, one-token outputs
+    assert odd.block_size == 32 and odd.max_request_blocks == 11
+    rates = {}
+    for policy in POLICIES:
+        result = replay(odd, policy, 24)
+        assert result.requests == 36 and result.prompt_tokens == sum(r.prompt_tokens for r in odd.requests)
+        assert 0.0 <= result.anchor_hit_rate <= 1.0 and 0.0 <= result.history_hit_rate <= 1.0
+        rates[policy] = result.hit_rate
+    assert all(rates["belady"] >= rate for policy, rate in rates.items() if policy != "agentkv+warmup"), rates
+    # no pressure: every policy hits the same tokens, and nothing is evicted
+    roomy = {policy: replay(odd, policy, 1000) for policy in POLICIES if policy != "agentkv+warmup"}
+    assert len({r.hit_tokens for r in roomy.values()}) == 1 and {r.evictions for r in roomy.values()} == {0}
+
+
+def test_a_prompt_longer_than_the_default_model_length_replays():
+    plan = _plan(HEADER, _request(segments=[["doc/huge", 70_000]]), _request(t=1.0, segments=[["doc/huge", 70_000]]))
+    result = replay(plan, "lru", plan.max_request_blocks + 1)
+    assert result.hit_tokens == 70_000 - 16  # vLLM recomputes the last block of a fully cached prompt
+
+
+def test_a_graph_the_runtime_refuses_is_counted_and_left_out():
+    nodes = [f"a{i}" for i in range(70)]  # 4900 edges: more than a graph event may carry
+    plan = _plan(dict(HEADER, graph={"nodes": nodes, "edges": [[a, b] for a in nodes for b in nodes],
+                                     "entry": nodes}),
+                 _request(agent="a0"), _request(t=1.0, agent="a1"))
+    policy = AgentKV(facts=True)
+    result = Replay(plan, policy, 16).run()
+    assert result.requests == 2 and policy.fallbacks["graph_refused"] == 1
+    assert not policy.runtime.facts.graph.nodes and "graph_refused" in policy.stats()
+
+
+BAD_UTF8 = json.dumps(HEADER).encode() + b'\n{"t": 0, "session": "\xff"}\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"format": "agentkv-tape", "version": 1, "block_size": true}', "block_size"),
+        (json.dumps(dict(HEADER, workload="mine")) + "\n" + json.dumps(_request()), "workload must be an object"),
+        (json.dumps(HEADER) + '\n{"t": NaN, "session": "s", "agent": "x", "parent": "", "segments": [["k", 2]], '
+         '"output_tokens": 1, "tool_gap": 0}', "line 2: NaN is not a JSON number"),
+        (json.dumps(HEADER) + "\n" + json.dumps(_request(tool_gap=1e400)), "Infinity is not a JSON number"),
+        (json.dumps(dict(HEADER, tokens={"offset": 2**70})) + "\n" + json.dumps(_request()), "2\\*\\*31"),
+        (json.dumps(HEADER) + "\n" + json.dumps(_request()).replace('"tool_gap": 0', '"tool_gap": 1e400'),
+         "finite"),
+        (json.dumps(dict(HEADER, graph={"nodes": ["y"], "edges": [], "entry": ["y"]})) + "\n"
+         + json.dumps(_request()), r"graph.nodes must list every agent of the tape; missing \['x'\]"),
+    ],
+)
+def test_malformed_hand_written_tapes_name_the_problem(text, message):
+    with pytest.raises(TapeError, match=message):
+        read_tape(io.StringIO(text))
+
+
+def test_a_tape_that_is_not_utf8_is_a_tape_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(BAD_UTF8)
+    with pytest.raises(TapeError, match="not UTF-8"):
+        read_tape(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (json.dumps(HEADER) + "\n{not json\n", "line 2: not JSON"),
+        (json.dumps(HEADER) + "\n", "no requests to replay"),
+        (json.dumps(HEADER) + "\n" + json.dumps(_request(t=-1.0)), "t >= 0"),
+        (json.dumps(dict(HEADER, workload={"time_model": {"prefill_tps": 0}})) + "\n" + json.dumps(_request()),
+         "time_model"),
+    ],
+)
+def test_cli_reports_a_bad_tape_in_one_line(tmp_path, content, message):
+    from agentkv.__main__ import main
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "replay", str(path), "--policies", "lru,belady", "--jobs", "1", "--quiet",
+              "--out", str(tmp_path / "out")])
+    text = str(exit_info.value.code)
+    assert text.startswith(f"agentkv bench replay: {path}") and message in text and "\n" not in text
+
+
+def test_cli_refuses_capacities_below_the_largest_request(tmp_path):
+    from agentkv.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "replay", str(ODD_SHAPES), "--capacities", "5,11", "--jobs", "1", "--quiet",
+              "--out", str(tmp_path / "out")])
+    assert str(exit_info.value.code) == (f"agentkv bench replay: {ODD_SHAPES}: no capacity holds the tape's "
+                                         "largest request (11 blocks + the null block)")
+
+
+def test_a_tape_without_parents_replays_as_the_one_with_them():
+    from agentkv.bench.tape import Tape, WorkloadConfig, generate
+
+    tape = generate(WorkloadConfig(topology="pipeline", sessions=6, seed=3))
+    bare = Tape(tape.header, [dataclasses.replace(r, parent=None) for r in tape.requests])
+    text = io.StringIO()
+    write_tape(bare, text)
+    assert '"parent"' not in text.getvalue()
+    with_parents, without = TapePlan(tape), TapePlan(read_tape(io.StringIO(text.getvalue())))
+    assert without.entry_agents() == with_parents.entry_agents() == ["supervisor"]
+    cap = 2 * with_parents.max_request_blocks + 1
+    assert replay(without, "agentkv", cap).hit_tokens == replay(with_parents, "agentkv", cap).hit_tokens
+    assert replay(without, "agentkv", cap).hit_tokens > replay(without, "lru", cap).hit_tokens
+
+
+def test_a_tape_whose_every_parent_is_empty_is_warned_about(caplog):
+    from agentkv.bench import sweep as sweep_module
+
+    sweep_module._PLANS.pop(str(ODD_SHAPES), None)
+    with caplog.at_level("WARNING", logger="agentkv.bench.sweep"):
+        sweep_module._plan(str(ODD_SHAPES))
+    assert f'{ODD_SHAPES}: 34 of 36 requests have parent "" after their session\'s first request' in caplog.text
