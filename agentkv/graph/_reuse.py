@@ -289,8 +289,7 @@ def score_reuse(
     live = sessions if isinstance(sessions, LiveSessions) else _columns(sessions)
     chain_rows = list(map(index.get, live.agents))
     if None in chain_rows:  # agents the chain does not know: their sessions are not scored
-        live = LiveSessions(*(tuple(column[i] for i, row in enumerate(chain_rows) if row is not None)
-                              for column in live))
+        live = live.select([i for i, row in enumerate(chain_rows) if row is not None])
         chain_rows = [row for row in chain_rows if row is not None]
     names = live.names
     known = len(names)
@@ -310,7 +309,7 @@ def score_reuse(
     session_rate = np.empty((known, n))
     dead: tuple[str, ...] = ()
     if len(evaluated):
-        part = live if copied is None else LiveSessions(*(tuple(column[i] for i in evaluated) for column in live))
+        part = live if copied is None else live.select(evaluated)
         rates, still = session_rates(chain, gaps, part, chain_rows if copied is None else
                                      [chain_rows[i] for i in evaluated], now=now, continuation=continuation,
                                      interposed=interposed, hazard=hazard, passage=passage, resolution=resolution,

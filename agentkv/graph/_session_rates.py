@@ -58,12 +58,11 @@ def session_rates(chain: ChainModel, gaps: GapTable, live: LiveSessions, chain_r
     tool_soon = np.maximum(tool_time, resolution)
     handoff_soon = np.maximum(handoff_time, resolution)
     after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
-    # P(the session still runs at its k-th next dispatch): it did not end after any before
     # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
     # the chain's rows lose the chance of ending, which ``stays`` accounts for
     weights = (in_handoff[None, :] * rate_after(handoff_soon[None, :] + ahead[:, None], resolution)
                + in_tool[None, :] * rate_after(after_tool[None, :] + ahead[:, None], resolution))
-    if ends:
+    if ends:  # P(the session still runs at its k-th next dispatch): it did not end after any before
         after = np.minimum(done[None, :] + np.arange(1, steps)[:, None], len(hazard)) - 1
         alive = np.ones((steps, known))
         np.cumprod(1.0 - hazard[after], axis=0, out=alive[1:])
