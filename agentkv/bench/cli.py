@@ -87,7 +87,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workloads of the generated tapes, comma-separated (without TAPE arguments; "
                              f"default all: {','.join(WORKLOAD_NAMES)})")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
+                        help=f"comma-separated, from {', '.join(POLICY_NAMES)} (lru and belady always run: "
+                             "the report is relative to them)")
     parser.add_argument("--capacities", type=_ints, default=None,
                         help="KV cache sizes in blocks (comma-separated); default: --multipliers")
     parser.add_argument("--multipliers", type=_floats, default=list(DEFAULT_MULTIPLIERS),
