@@ -51,14 +51,17 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 
 def _verdict(result: dict[str, Any]) -> list[str]:
     """Every paired ratio with its interval, then one plain sentence on mean TTFT."""
-    from agentkv.bench.serve_paired import comparison_lines, verdict
+    from agentkv.bench.serve_paired import SAME_RATIO, comparison_lines, verdict
 
     out = []
     for c in result.get("comparisons", []):
         out += comparison_lines(c["rate"], c, c["server"])
         ttft = c["ttft_mean"]
-        call = verdict(ttft, neutral=1.0, lower_is_better=True)
-        if call == "inside the noise":
+        call = verdict(ttft, neutral=1.0, lower_is_better=True, tolerance=SAME_RATIO)
+        if call == "the same":
+            out.append(f"  => mean TTFT: agentkv and vanilla are the same within {SAME_RATIO:.0%} "
+                       f"({ttft['value']:.2f}x, 95% CI {ttft['low']:.2f}-{ttft['high']:.2f})")
+        elif call == "inside the noise":
             out.append(f"  => mean TTFT: the difference ({ttft['value']:.2f}x) is inside the noise of this run "
                        "(the interval holds 1.00x); more sessions (--sessions) narrow it")
         else:
