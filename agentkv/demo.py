@@ -15,7 +15,7 @@ import math
 import time
 from typing import Any
 
-from agentkv.bench._arguments import at_least
+from agentkv._arguments import at_least
 from agentkv.bench.serve_args import RATES, REPO_ROOT, ServeConfig
 
 __all__ = ["DEMO_CONFIG", "add_arguments", "main", "run", "summary_table"]

@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from ._arguments import at_least, list_of
+from agentkv._arguments import at_least, list_of
+
 from ._defaults import (
     DEFAULT_MARGIN,
     DEFAULT_MULTIPLIERS,

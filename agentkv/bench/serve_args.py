@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._arguments import at_least, list_of
+from agentkv._arguments import at_least, list_of
 
 __all__ = ["MODELS", "RATES", "REPO_ROOT", "ROUTER_VARIANTS", "ServeConfig", "add_arguments", "build_model",
            "config_from_args", "router_command"]

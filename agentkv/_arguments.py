@@ -1,4 +1,4 @@
-"""argparse types of the bench and demo commands: a number in range, or a one-line usage error."""
+"""argparse types of the command line: a number in range, or a one-line usage error."""
 
 from __future__ import annotations
 
