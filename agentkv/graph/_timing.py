@@ -160,15 +160,14 @@ class SessionTiming:
 
     Invariants: ``_hist[agent]`` holds decayed gap counts per bin (multiplied by
     ``_weight[agent]``), row ``_TOOL`` of the gaps within a dispatch and row ``_HANDOFF`` of
-    the gaps to the next one; ``_sessions`` is ordered by
-    last arrival, oldest first, and bounded.
+    the gaps to the next one; ``_sessions`` is ordered by last arrival, oldest first, and bounded.
     """
 
     def __init__(self, config: TimingConfig | None = None) -> None:
         self.config = config or TimingConfig()
         self._decay = 2.0 ** (1.0 / self.config.half_life)
-        # plain lists, one per row: a request adds to one cell of two of them (numpy element
-        # updates cost ~10x more); ``table`` turns them into arrays
+        # plain lists, one per row: a gap adds to one cell of its agent's rows and one of the
+        # global rows (numpy element updates cost ~10x more); ``table`` turns them into arrays
         self._hist: OrderedDict[str, list[list[float]]] = OrderedDict()
         self._weight: dict[str, float] = {}
         self._global = _zero_rows()
