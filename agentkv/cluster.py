@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
+from agentkv._arguments import at_least
 from agentkv.launcher import HOST, VLLM_MODULE, Command, ServerProcess, free_port
 
 __all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
@@ -193,9 +194,12 @@ def _up(args: argparse.Namespace) -> None:
     if not args.vllm_args:
         sys.exit("usage: agentkv cluster up [--replicas N] [--router-policy P] [--vanilla] MODEL [vllm args]")
     model, *vllm_args = args.vllm_args
-    config = ClusterConfig(model, replicas=args.replicas, policy=args.router_policy, vanilla=args.vanilla,
-                           vllm_args=vllm_args, router_port=args.port, sync_interval=args.sync_interval,
-                           name=args.name)
+    try:
+        config = ClusterConfig(model, replicas=args.replicas, policy=args.router_policy, vanilla=args.vanilla,
+                               vllm_args=vllm_args, router_port=args.port, sync_interval=args.sync_interval,
+                               name=args.name)
+    except ValueError as exc:  # options that do not combine (e.g. kv_aware without --block-size)
+        sys.exit(f"agentkv cluster up: {exc}")
     state = _state_file(config.name)
     if state.exists():
         sys.exit(f"a cluster named {config.name!r} is already up ({state}); run `agentkv cluster down` first")
@@ -256,11 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="agentkv cluster", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start replicas and the router (foreground; Ctrl-C stops)")
-    up.add_argument("--replicas", type=int, default=2)
+    up.add_argument("--replicas", type=at_least(int, 1), default=2)
     up.add_argument("--router-policy", choices=POLICIES, default="kv_aware")
     up.add_argument("--vanilla", action="store_true", help="replicas without the agentkv extension")
-    up.add_argument("--port", type=int, default=None, help="router port (default: a free one)")
-    up.add_argument("--sync-interval", type=float, default=5.0, help="seconds between learned-state merges")
+    up.add_argument("--port", type=at_least(int, 1), default=None, help="router port (default: a free one)")
+    up.add_argument("--sync-interval", type=at_least(float, 0.0, strict=True), default=5.0,
+                    help="seconds between learned-state merges")
     up.add_argument("--name", default="default")
     up.add_argument("vllm_args", nargs=argparse.REMAINDER, help="MODEL and vLLM arguments for every replica")
     up.set_defaults(run=_up)

@@ -15,7 +15,8 @@ import math
 import time
 from typing import Any
 
-from agentkv.bench.serve_args import REPO_ROOT, ServeConfig
+from agentkv._arguments import at_least
+from agentkv.bench.serve_args import RATES, REPO_ROOT, ServeConfig
 
 __all__ = ["DEMO_CONFIG", "add_arguments", "main", "run", "summary_table"]
 
@@ -50,14 +51,17 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
 
 def _verdict(result: dict[str, Any]) -> list[str]:
     """Every paired ratio with its interval, then one plain sentence on mean TTFT."""
-    from agentkv.bench.serve_paired import comparison_lines, verdict
+    from agentkv.bench.serve_paired import SAME_RATIO, comparison_lines, verdict
 
     out = []
     for c in result.get("comparisons", []):
         out += comparison_lines(c["rate"], c, c["server"])
         ttft = c["ttft_mean"]
-        call = verdict(ttft, neutral=1.0, lower_is_better=True)
-        if call == "inside the noise":
+        call = verdict(ttft, neutral=1.0, lower_is_better=True, tolerance=SAME_RATIO)
+        if call == "the same":
+            out.append(f"  => mean TTFT: agentkv and vanilla are the same within {SAME_RATIO:.0%} "
+                       f"({ttft['value']:.2f}x, 95% CI {ttft['low']:.2f}-{ttft['high']:.2f})")
+        elif call == "inside the noise":
             out.append(f"  => mean TTFT: the difference ({ttft['value']:.2f}x) is inside the noise of this run "
                        "(the interval holds 1.00x); more sessions (--sessions) narrow it")
         else:
@@ -79,10 +83,12 @@ def _learned(stats: dict[str, Any]) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in DEMO_CONFIG.rates),
-                        help="session arrival rates, sessions/s (default %(default)s)")
-    parser.add_argument("--sessions", type=int, default=DEMO_CONFIG.sessions, help="sessions per server and rate")
-    parser.add_argument("--blocks", type=int, default=DEMO_CONFIG.blocks, help="--num-gpu-blocks-override")
+    rates = ",".join(f"{r:g}" for r in DEMO_CONFIG.rates)
+    parser.add_argument("--rates", type=RATES, default=list(DEMO_CONFIG.rates),
+                        help=f"session arrival rates, sessions/s (default {rates})")
+    parser.add_argument("--sessions", type=at_least(int, 1), default=DEMO_CONFIG.sessions,
+                        help="sessions per server and rate")
+    parser.add_argument("--blocks", type=at_least(int, 2), default=DEMO_CONFIG.blocks, help="--num-gpu-blocks-override")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,14 +98,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = ServeConfig(**{**DEMO_CONFIG.__dict__, "rates": [float(r) for r in args.rates.split(",")],
-                            "sessions": args.sessions, "blocks": args.blocks})
+    try:
+        config = ServeConfig(**{**DEMO_CONFIG.__dict__, "rates": list(args.rates),
+                                "sessions": args.sessions, "blocks": args.blocks})
+    except ValueError as exc:
+        raise SystemExit(f"agentkv demo: {exc}") from None
+    rates = ", ".join(f"{r:g}" for r in config.rates)
 
     from agentkv.bench.serve import run_benchmark, write_reports  # langchain/langgraph: imported late
 
     print(
         "agentkv demo: a six-agent LangGraph team (supervisor, planner, researcher, coder, reviewer, writer),\n"
-        f"{config.sessions} sessions of {config.turns} turns arriving at {args.rates} per second, on two real vLLM "
+        f"{config.sessions} sessions of {config.turns} turns arriving at {rates} per second, on two real vLLM "
         f"servers\n(random-weight benchmark model, one CPU core each) with the same {config.blocks - 1}-block KV "
         f"cache: vanilla vLLM (LRU)\nvs agentkv serve, in alternating blocks of {config.block_sessions} sessions "
         "(cores swapped halfway).\n"

@@ -176,6 +176,8 @@ _FIELDS: Final = (
     ("step", HEADER_STEP, XARG_STEP),
     ("warmup", HEADER_WARMUP, XARG_WARMUP),
 )
+_HEADER_NAMES: Final = {key: header for key, header, _ in _FIELDS}
+_XARG_NAMES: Final = {key: xarg for key, _, xarg in _FIELDS}
 
 
 def _parse_step(raw: object, field: str) -> int:
@@ -245,7 +247,7 @@ def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseR
             values[key] = lowered[header.lower()]
     if values and "session" not in values and HEADER_VLLM_SESSION.lower() in lowered:
         values["session"] = lowered[HEADER_VLLM_SESSION.lower()]
-    return _parse(values, {key: header for key, header, _ in _FIELDS}, strict)
+    return _parse(values, _HEADER_NAMES, strict)
 
 
 def parse_header_list(pairs: Iterable[tuple[str, str]]) -> ParseResult:
@@ -275,7 +277,7 @@ def parse_xargs(xargs: Mapping[str, object] | None, *, strict: bool = False) -> 
     if not xargs:
         return ParseResult(None)
     values = {key: xargs[xarg] for key, _, xarg in _FIELDS if xarg in xargs}
-    return _parse(values, {key: xarg for key, _, xarg in _FIELDS}, strict)
+    return _parse(values, _XARG_NAMES, strict)
 
 
 class MalformedCounter:

@@ -106,7 +106,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("r-min", "AGENTKV_R_MIN", "R", "0.2", "below this predictability R every agent scores alike: "
             "plain LRU", _number(float, 0, high=1)),
     Setting("refresh-interval", "AGENTKV_REFRESH_INTERVAL", "SECONDS", "0.1", "least seconds between two "
-            "evaluations of the next-use model (a session event applies at once)", _number(float, 0)),
+            "evaluations of the next-use model (a session event applies at once; shorter while sessions call "
+            "faster: a quarter of the learned median gap)", _number(float, 0)),
     Setting("decay", "AGENTKV_DECAY", "LAMBDA", "1/60", "per second, of the recency tie-break between "
             "blocks of close value", _number(float, 0)),
     Setting("recognize", "AGENTKV_RECOGNIZE", "on|off", "on", "recognize the agents and sessions of "

@@ -4,9 +4,13 @@ Each cycle admits one tagged request with a unique prompt the way the scheduler 
 (``get_computed_blocks`` + ``record_prefix_cache_stats`` + ``allocate_slots``) into a pool
 whose free blocks are all cached, so every allocated block is an eviction, then frees it.
 The agentkv variant runs the real ``server_patch`` runtime (hooks, block tracker, scored
-queue). Its refresh (the next-use model evaluated and the queue's groups re-scored: exactly
-what the scheduler calls) runs once per scheduler step, not per block, so it is timed apart:
-here every request is its own step and changes the model (the worst case).
+queue). Three figures per mode: the allocation path per allocated block (the KV cache manager's
+calls with agentkv's hooks and queue in them), the admission of a request (``on_add_request``:
+parsing its tag, the learner, the session timing, anchor lengths, recognition; once per request
+whatever its size) per request, and both together per block (admission spread over this run's
+blocks per request). The refresh (the next-use model evaluated and the queue's groups
+re-scored: exactly what the scheduler calls) runs once per scheduler step, not per block, so it
+is timed apart: here every request is its own step and changes the model (the worst case).
 
     .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000] [--agents 24] [--sessions 100]
         [--refresh-interval SECONDS]
@@ -51,8 +55,8 @@ def requests(count: int, blocks: int, agents: int, sessions: int) -> list[Reques
 
 
 def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int,
-        refresh_interval: float) -> tuple[float, float]:
-    """(µs per allocated block on the allocation path, µs per refresh)."""
+        refresh_interval: float) -> tuple[float, float, float]:
+    """(µs per allocated block on the allocation path, µs per admission, µs per refresh)."""
     gc.collect()  # the previous run's manager and runtime (cycles) must not weigh on this run's collections
     kv = manager(num_blocks)
     runtime = None
@@ -61,22 +65,22 @@ def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessi
                                                refresh_interval=refresh_interval))
         runtime.install(kv)
     reqs = requests(num_blocks // blocks + cycles, blocks, agents, sessions)
-    allocation = refresh = 0.0
+    allocation = admission = refresh = 0.0
     for index, req in enumerate(reqs):
         start = time.thread_time()
         if runtime is not None:
             runtime.on_add_request(req)
-            refresh_start = time.thread_time()
+            admitted = time.thread_time()
             runtime.refresh()
-            refresh_time = time.thread_time() - refresh_start
+            refreshed = time.thread_time()
+        allocating = time.thread_time()
         serve_once(kv, req)
         if index >= num_blocks // blocks:  # the pool is full of cached blocks: every block evicts
-            total = time.thread_time() - start
+            allocation += time.thread_time() - allocating
             if runtime is not None:
-                total -= refresh_time
-                refresh += refresh_time
-            allocation += total
-    return allocation / (cycles * blocks) * 1e6, refresh / cycles * 1e6
+                admission += admitted - start
+                refresh += refreshed - admitted
+    return allocation / (cycles * blocks) * 1e6, admission / cycles * 1e6, refresh / cycles * 1e6
 
 
 def main() -> None:
@@ -91,24 +95,29 @@ def main() -> None:
                         help="AGENTKV_REFRESH_INTERVAL (s; default: the runtime's)")
     args = parser.parse_args()
     modes = ("vanilla", "agentkv", "agentkv-norecog", "agentkv-disabled")
-    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     for _ in range(args.repeats):  # interleaved so machine noise hits every mode alike
         for mode in modes:
             samples[mode].append(run(mode, args.blocks, args.blocks_per_request, args.cycles, args.agents,
                                      args.sessions, args.refresh_interval))
     print(f"eviction hot path: {args.blocks} cached blocks, {args.blocks_per_request} blocks/request, "
           f"{args.cycles} requests x {args.repeats} repeats, {args.sessions} sessions, {args.agents} agents (medians)")
-    print("| mode | µs / allocated block | ratio to vanilla (median of paired repeats) | refresh µs / step |")
-    print("|---|---:|---:|---:|")
-    vanilla = [a for a, _ in samples["vanilla"]]
+    per_request = args.blocks_per_request
+    print("| mode | allocation path µs / block | ratio to vanilla | admission µs / request | with admission: "
+          f"µs / block ({per_request} blocks / request) | ratio to vanilla | refresh µs / step |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    vanilla = [a for a, _, _ in samples["vanilla"]]
     for mode in modes:
-        per_block = statistics.median(a for a, _ in samples[mode])
-        per_step = statistics.median(r for _, r in samples[mode])
+        rows = samples[mode]
+        combined = [a + b / per_request for a, b, _ in rows]
         # each repeat's ratio to the vanilla run just before it, then the median: the load of a
         # shared machine drifts between repeats more than within one
-        ratio = statistics.median(a / v for (a, _), v in zip(samples[mode], vanilla, strict=True))
-        step = "-" if mode == "vanilla" else f"{per_step:.0f}"
-        print(f"| {mode} | {per_block:.2f} | {ratio:.2f}x | {step} |")
+        ratio = statistics.median(a / v for (a, _, _), v in zip(rows, vanilla, strict=True))
+        combined_ratio = statistics.median(c / v for c, v in zip(combined, vanilla, strict=True))
+        admission = "-" if mode == "vanilla" else f"{statistics.median(b for _, b, _ in rows):.1f}"
+        step = "-" if mode == "vanilla" else f"{statistics.median(r for _, _, r in rows):.0f}"
+        print(f"| {mode} | {statistics.median(a for a, _, _ in rows):.2f} | {ratio:.2f}x | {admission} | "
+              f"{statistics.median(combined):.2f} | {combined_ratio:.2f}x | {step} |")
 
 
 if __name__ == "__main__":

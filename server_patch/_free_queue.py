@@ -223,14 +223,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             # The front segment is a prefix of the list: once the head is
             # grouped, only tail blocks are left and the key decides.
             if first.block_id in grouped:
-                start = len(ret)
-                self._pop_min_run(n - start, ret)
-                for block in ret[start:]:  # the base class's remove, inlined (grouped blocks are listed)
-                    before, after = block.prev_free_block, block.next_free_block
-                    before.next_free_block = after  # type: ignore[union-attr]
-                    after.prev_free_block = before  # type: ignore[union-attr]
-                    block.prev_free_block = block.next_free_block = None
-                self.num_free_blocks -= len(ret) - start
+                self._pop_min_run(n - len(ret), ret)
             else:
                 remove(first)
                 ret.append(first)
@@ -331,7 +324,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         self._heap = heap
 
     def _pop_min_run(self, limit: int, out: list[KVCacheBlock]) -> None:
-        """Detach tail blocks in eviction-key order into ``out``, at most ``limit``.
+        """Unlink tail blocks in eviction-key order into ``out``, at most ``limit``.
 
         Takes a run from the group with the smallest key for as long as its next block
         still sorts before every other heap entry (a stale entry only ends a run early),
@@ -347,19 +340,29 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
                 if head_seq == seq and key == group.score + base:
                     break
             heapq.heappop(heap)
-        bound_key, bound_seq = min((entry[0], entry[1]) for entry in heap[1:3]) if len(heap) > 1 else (math.inf, 0)
+        # the run ends before the next block that sorts after the heap's second smallest entry
+        size = len(heap)
+        bound = (heap[1] if size == 2 or heap[1] < heap[2] else heap[2]) if size > 1 else None
         blocks, score, by_block = group.blocks, group.score, self._group_by_block
         taken = 0
         while blocks and taken < limit:
             block_id, entry = blocks.popitem(last=False)
-            # (key, seq) > (bound_key, bound_seq), without building the tuple
-            if taken and ((key := score + entry[2]) > bound_key or (key == bound_key and entry[1] > bound_seq)):
+            # (key, seq) > bound's (key, seq), without building the tuple
+            if taken and bound is not None and ((key := score + entry[2]) > bound[0]
+                                                or (key == bound[0] and entry[1] > bound[1])):
                 blocks[block_id] = entry  # not this run's: back to the group's head
                 blocks.move_to_end(block_id, last=False)
                 break
             del by_block[block_id]
-            out.append(entry[0])
+            block = entry[0]
+            # the base class's remove, inlined (a grouped block is listed)
+            before, after = block.prev_free_block, block.next_free_block
+            before.next_free_block = after  # type: ignore[union-attr]
+            after.prev_free_block = before  # type: ignore[union-attr]
+            block.prev_free_block = block.next_free_block = None
+            out.append(block)
             taken += 1
+        self.num_free_blocks -= taken
         if blocks:
             heapq.heapreplace(heap, _head_entry(group))
         else:

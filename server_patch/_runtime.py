@@ -57,6 +57,10 @@ _REBUILD_INTERVAL = 2.0
 # rest keep their rows: idle a little longer).
 _FULL_INTERVAL = 0.35
 _FULL_EVERY = 4
+# Within ``refresh_interval`` the model is still re-evaluated once it is older than this share of the
+# learned median gap between a session's requests: when sessions call faster than the interval (a
+# fast engine, short answers, tool loops), a model a few requests old scores agents that moved on.
+_STALENESS = 0.25
 
 
 def _session_of(group: Hashable) -> str | None:
@@ -231,9 +235,10 @@ class AgentKVRuntime(RuntimeControl):
 
         Runs at the start of every scheduler step; does work only when the learner, the facts or
         the session timing changed, or ``_RESCORE_INTERVAL`` passed (values depend on how long
-        sessions have been idle), and at most once per ``refresh_interval`` unless a fact
-        changed. The chain's first-passage table and the gap distributions are
-        recomputed only when enough new evidence arrived (``_stale``). Sessions the timing model
+        sessions have been idle), and at most once per ``refresh_interval`` (or ``_STALENESS`` of
+        the learned median gap, when sessions call faster than that) unless a fact changed. The
+        chain's first-passage table and the gap distributions are recomputed only when enough new
+        evidence arrived (``_stale``). Sessions the timing model
         finds abandoned leave the timing (their history drops to the floor). Between full
         evaluations (``_FULL_INTERVAL``, ``_FULL_EVERY``) only the sessions touched since the last
         one are re-evaluated, and the queues re-score only the history groups of the sessions
@@ -247,7 +252,7 @@ class AgentKVRuntime(RuntimeControl):
         if version == self._scored_version and waited < _RESCORE_INTERVAL:
             return
         facts_changed = self._scored_version is None or version[1] != self._scored_version[1]
-        if waited < self.config.refresh_interval and not facts_changed:
+        if waited < self._refresh_interval() and not facts_changed:
             return  # a fact (an ended session) applies at once; learned values can wait a step or two
         self.table = table = self._evaluate(now)
         for session in table.dead:
@@ -274,6 +279,13 @@ class AgentKVRuntime(RuntimeControl):
         self._scored_table = table if policy != "lru" else None
         for queue in self.queues:
             queue.set_group_scores(self._scorer, changed_partitions=changed)
+
+    def _refresh_interval(self) -> float:
+        """``refresh_interval``, or ``_STALENESS`` of the learned median gap when that is shorter."""
+        interval = self.config.refresh_interval
+        if self._gaps is not None and self.timing.gaps:
+            interval = min(interval, _STALENESS * self._gaps.median_gap)
+        return interval
 
     def _evaluate(self, now: float) -> ReuseTable:
         chain = self.predictor.chain()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
+
+from agentkv._arguments import at_least, list_of
 
 from ._defaults import (
     DEFAULT_MARGIN,
@@ -22,14 +25,6 @@ __all__ = ["add_replay_arguments", "add_tape_arguments", "run_replay", "run_tape
 DEFAULT_OUT = Path(".build/bench-replay")
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _names(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in names if x not in WORKLOAD_NAMES]
@@ -39,9 +34,9 @@ def _names(text: str) -> list[str]:
 
 
 def _workload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sessions", type=int, default=None,
+    parser.add_argument("--sessions", type=at_least(int, 1), default=None,
                         help="sessions per tape (default: the workload's, 40 for the topologies)")
-    parser.add_argument("--rate", type=float, default=None,
+    parser.add_argument("--rate", type=at_least(float, 0.0, strict=True), default=None,
                         help="Poisson session arrivals per second (default: the workload's, 0.05 for the topologies)")
     parser.add_argument("--seed", type=int, default=0,
                         help="workload seed: draws the sessions and the zoo's parameters (default 0)")
@@ -87,20 +82,22 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
                         help="workloads of the generated tapes, comma-separated (without TAPE arguments; "
                              f"default all: {','.join(WORKLOAD_NAMES)})")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help=f"comma-separated, from {', '.join(POLICY_NAMES)}")
-    parser.add_argument("--capacities", type=_ints, default=None,
+                        help=f"comma-separated, from {', '.join(POLICY_NAMES)} (lru and belady always run: "
+                             "the report is relative to them)")
+    parser.add_argument("--capacities", type=list_of(at_least(int, 1)), default=None,
                         help="KV cache sizes in blocks (comma-separated); default: --multipliers")
-    parser.add_argument("--multipliers", type=_floats, default=list(DEFAULT_MULTIPLIERS),
+    parser.add_argument("--multipliers", type=list_of(at_least(float, 0.0, strict=True)),
+                        default=list(DEFAULT_MULTIPLIERS),
                         help="candidate capacities as multiples of each tape's largest request "
                              f"(default {','.join(map(str, DEFAULT_MULTIPLIERS))})")
-    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+    parser.add_argument("--margin", type=at_least(float, -math.inf), default=DEFAULT_MARGIN,
                         help="preflight: keep capacities where belady - lru >= this many points (default 15)")
     parser.add_argument("--no-preflight", action="store_true", help="keep every capacity")
     parser.add_argument("--skip-dropped", action="store_true",
                         help="do not run the other policies on capacities the preflight dropped")
-    parser.add_argument("--ttl", type=float, default=None,
+    parser.add_argument("--ttl", type=at_least(float, 0.0), default=None,
                         help="ttl policy pin in seconds (default 0.3, Continuum's setting)")
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--jobs", type=at_least(int, 1), default=2, help="worker processes (default 2)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"directory for replay.json / replay.md / replay.png and generated tapes ({DEFAULT_OUT})")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/replay.png)")

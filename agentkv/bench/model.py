@@ -3,9 +3,10 @@
 The tiny test model (:mod:`agentkv.testing.tiny_model`) is so small that a call's prefill is a
 few milliseconds against tens of milliseconds of decoding and per-request overhead, so a prefix
 hit cannot show in latency. On a GPU, prefill of a 1.5K-token prompt on an 8B model costs 10-30
-decode steps; :data:`BENCH_SHAPE` is sized so that on a 2-core CPU (one core per server, vLLM CPU
-in bfloat16) it costs at least 10 (measured: docs/benchmarks.md, "The benchmark model"). Same
-tokenizer and chat template as the tiny model, built locally in well under a minute.
+decode steps and several times the per-request floor; :func:`bench_shape` picks the shape that
+gives this profile on the CPU at hand (one core per server, vLLM CPU in bfloat16; measured:
+docs/benchmarks.md, "The benchmark model"). Same tokenizer and chat template as the tiny model,
+built locally in well under a minute.
 
 ``python -m agentkv.bench.model DIR [--measure]`` builds it and, with ``--measure``, starts a
 vanilla vLLM on one core and prints :class:`CostProfile`.
@@ -24,18 +25,37 @@ import httpx
 
 from agentkv.testing.tiny_model import ModelShape, build_llama
 
-__all__ = ["BENCH_SHAPE", "CostProfile", "build_bench_model", "main", "measure_cost"]
+__all__ = ["FALLBACK_BF16_SHAPE", "NATIVE_BF16_SHAPE", "CostProfile", "bench_shape", "build_bench_model", "main",
+           "measure_cost", "native_bf16"]
 
-# head_dim 64; 4.2 M parameters with the vocabulary of 4096 (2.1 M in the layers, 1.6x the tiny model's,
-# with twice its attention width). Larger shapes (hidden 512 x 6 layers: 7.5 s per 1K prompt tokens on a
-# loaded core) leave no room for a benchmark of minutes: vLLM CPU falls back from oneDNN to torch for
-# bfloat16 linears on CPUs without AVX-512 BF16, and prefill cost grows with the layers' size.
-BENCH_SHAPE = ModelShape(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024)
+# Where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), vLLM CPU runs the linears in
+# oneDNN: 512 x 4 layers (head_dim 64; 21 M parameters) costs 84 ms per 1K prompt tokens, 4.5 ms
+# per decode step and a 17 ms per-request floor on one idle core, so a 1.5K-token prefill is ~28
+# decode steps and ~8x the floor, the shape of an 8B model on a GPU.
+NATIVE_BF16_SHAPE = ModelShape(hidden_size=512, num_layers=4, num_heads=8, intermediate_size=2048)
+# Without it vLLM falls back to torch's bfloat16 matmul, which is slow per token (hidden 512 x 6
+# layers: 7.5 s per 1K prompt tokens on a loaded core): 256 x 2 layers (4.2 M parameters) keeps a
+# benchmark within minutes there and still costs ~235 decode steps per 1.5K-token prefill.
+FALLBACK_BF16_SHAPE = ModelShape(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024)
+
+
+def native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True when the CPU flags name a native bfloat16 matmul (``avx512_bf16`` or ``amx_bf16``)."""
+    try:
+        flags = set(Path(cpuinfo).read_text(encoding="utf-8", errors="replace").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def bench_shape() -> ModelShape:
+    """The benchmark model's shape on this machine (see ``NATIVE_BF16_SHAPE``, ``FALLBACK_BF16_SHAPE``)."""
+    return NATIVE_BF16_SHAPE if native_bf16() else FALLBACK_BF16_SHAPE
 
 
 def build_bench_model(directory: str | Path, *, seed: int = 0) -> Path:
-    """Build (once) the benchmark model plus tokenizer in ``directory``; return its path."""
-    return build_llama(directory, BENCH_SHAPE, seed=seed)
+    """Build (once) the benchmark model for this machine plus tokenizer in ``directory``; return its path."""
+    return build_llama(directory, bench_shape(), seed=seed)
 
 
 @dataclass(frozen=True)
@@ -104,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     model_dir = build_bench_model(args.directory)
-    print(f"{model_dir} ({time.monotonic() - t0:.0f} s)")
+    shape = bench_shape()
+    print(f"{model_dir}: hidden {shape.hidden_size} x {shape.num_layers} layers "
+          f"({'native' if native_bf16() else 'no native'} bfloat16 on this CPU; {time.monotonic() - t0:.0f} s)")
     if args.measure:
         from agentkv.bench._defaults import SERVER_ENV
         from agentkv.launcher import ServerProcess, ServerSpec

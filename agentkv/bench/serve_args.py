@@ -6,8 +6,12 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["MODELS", "REPO_ROOT", "ROUTER_VARIANTS", "ServeConfig", "add_arguments", "build_model", "config_from_args",
-           "router_command"]
+from agentkv._arguments import at_least, list_of
+
+__all__ = ["MODELS", "RATES", "REPO_ROOT", "ROUTER_VARIANTS", "ServeConfig", "add_arguments", "build_model",
+           "config_from_args", "router_command"]
+
+RATES = list_of(at_least(float, 0.0, strict=True))  # --rates: session arrival rates, sessions/s
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("bench", "tiny")  # agentkv.bench.model (prefill costs what serving's does), the tiny test model
@@ -90,25 +94,30 @@ def build_model(config: ServeConfig) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
-    parser.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates),
-                        help="session arrival rates, sessions/s, comma-separated (default %(default)s)")
-    parser.add_argument("--sessions", type=int, default=d.sessions, help="measured sessions per server and rate")
-    parser.add_argument("--warmup-sessions", type=int, default=d.warmup_sessions)
-    parser.add_argument("--repeats", type=int, default=d.repeats,
+    rates = ",".join(f"{r:g}" for r in d.rates)
+    parser.add_argument("--rates", type=RATES, default=list(d.rates),
+                        help=f"session arrival rates, sessions/s, comma-separated (default {rates})")
+    parser.add_argument("--sessions", type=at_least(int, 1), default=d.sessions,
+                        help="measured sessions per server and rate")
+    parser.add_argument("--warmup-sessions", type=at_least(int, 0), default=d.warmup_sessions)
+    parser.add_argument("--repeats", type=at_least(int, 1), default=d.repeats,
                         help="sweeps over all rates; each (server, rate) pools its repeats (seeds seed, seed+1, ...)")
-    parser.add_argument("--block-sessions", type=int, default=d.block_sessions,
+    parser.add_argument("--block-sessions", type=at_least(int, 1), default=d.block_sessions,
                         help="sessions per block; the servers alternate block by block (default %(default)s)")
     parser.add_argument("--no-swap-cores", action="store_true",
                         help="keep each engine on its core (default: swap them halfway through each rate)")
     parser.add_argument("--model", choices=MODELS, default=d.model,
                         help="bench: a random Llama whose prefill costs what serving's does; tiny: the test model")
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--blocks", type=int, default=d.blocks, help="--num-gpu-blocks-override of both servers")
-    parser.add_argument("--turns", type=int, default=d.turns, help="agent turns per session")
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    parser.add_argument("--tool-gap", type=float, default=d.tool_gap, help="seconds each tool step takes")
-    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="max sessions running at once")
-    parser.add_argument("--replicas", type=int, default=d.replicas,
+    parser.add_argument("--blocks", type=at_least(int, 2), default=d.blocks,
+                        help="--num-gpu-blocks-override of both servers")
+    parser.add_argument("--turns", type=at_least(int, 1), default=d.turns, help="agent turns per session")
+    parser.add_argument("--max-tokens", type=at_least(int, 1), default=d.max_tokens)
+    parser.add_argument("--tool-gap", type=at_least(float, 0.0), default=d.tool_gap,
+                        help="seconds each tool step takes")
+    parser.add_argument("--concurrency", type=at_least(int, 1), default=d.concurrency,
+                        help="max sessions running at once")
+    parser.add_argument("--replicas", type=at_least(int, 1), default=d.replicas,
                         help="> 1: also run vanilla and agentkv replicas (sharing --blocks) behind vllm-router")
     parser.add_argument("--router", default=",".join(d.routers),
                         help="routers to compare, comma-separated: vllm-router policies or kv_aware+affinity "
@@ -127,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
-        rates=[float(r) for r in str(args.rates).split(",") if r.strip()],
+        rates=list(args.rates),
         sessions=args.sessions,
         warmup_sessions=args.warmup_sessions,
         repeats=args.repeats,

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["METRICS", "Block", "Swap", "compare", "comparison_lines", "core_pair", "pin_env", "swap_cores", "verdict"]
+__all__ = ["METRICS", "SAME_POINTS", "SAME_RATIO", "Block", "Swap", "compare", "comparison_lines", "core_pair",
+           "pin_env", "swap_cores", "verdict"]
 
 CORE_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 RESAMPLES = 4000
@@ -112,6 +113,10 @@ def _pooled(blocks: Sequence[Block], name: str) -> float:
     return float(np.percentile(values, 50 if name.endswith("p50") else 99))
 
 
+# A 95% interval this close to no difference says the servers are the same on that metric (an
+# open-loop run's throughput is set by the arrival rate: 1.00x [0.998, 0.999] is not "worse").
+SAME_RATIO = 0.01
+SAME_POINTS = 0.5
 # (key, label): ratios agentkv / vanilla, except hit rate (a difference in points)
 METRICS = (("ttft_mean", "mean TTFT"), ("ttft_p50", "p50 TTFT"), ("ttft_p99", "p99 TTFT"),
            ("turn_mean", "mean turn latency"), ("throughput", "throughput"), ("hit_rate", "hit rate"))
@@ -140,10 +145,15 @@ def compare(pairs: Sequence[tuple[Block, Block]], *, seed: int = 0, resamples: i
     return out
 
 
-def verdict(effect: dict[str, float], *, neutral: float, lower_is_better: bool) -> str:
-    """'better', 'worse' or 'inside the noise' (the interval holds ``neutral``, or is unknown)."""
+def verdict(effect: dict[str, float], *, neutral: float, lower_is_better: bool, tolerance: float = 0.0) -> str:
+    """'better', 'worse', 'inside the noise' (the interval holds ``neutral``, or is unknown) or
+    'the same' (the whole interval within ``tolerance`` of ``neutral``: a difference too small to matter)."""
     low, high = effect["low"], effect["high"]
-    if math.isnan(low) or low <= neutral <= high:
+    if math.isnan(low):
+        return "inside the noise"
+    if neutral - tolerance <= low and high <= neutral + tolerance:
+        return "the same"
+    if low <= neutral <= high:
         return "inside the noise"
     return "better" if (high < neutral) == lower_is_better else "worse"
 
@@ -156,10 +166,12 @@ def comparison_lines(rate: float, result: dict[str, Any], name: str = "agentkv")
         effect = result[key]
         if key == "hit_rate":
             text = f"{effect['value']:+.1f} points [{effect['low']:+.1f}, {effect['high']:+.1f}]"
-            call = verdict(effect, neutral=0.0, lower_is_better=False)
+            call = verdict(effect, neutral=0.0, lower_is_better=False, tolerance=SAME_POINTS)
+            same = f"the same (within {SAME_POINTS:g} points)"
         else:
             text = f"{effect['value']:.2f}x [{effect['low']:.2f}, {effect['high']:.2f}]"
-            call = verdict(effect, neutral=1.0, lower_is_better=key != "throughput")
-        lines.append(f"  {label:18s} {text:24s} {call}")
+            call = verdict(effect, neutral=1.0, lower_is_better=key != "throughput", tolerance=SAME_RATIO)
+            same = f"the same (within {SAME_RATIO:.0%})"
+        lines.append(f"  {label:18s} {text:24s} {same if call == 'the same' else call}")
     return lines
 

@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agentkv._arguments import at_least
+
 from ._defaults import SERVER_ENV
 from .soak_cases import CASES, SoakContext, choose_case
 
@@ -252,25 +254,36 @@ def _own_server(config: SoakConfig) -> Iterator[tuple[str, int | None]]:
         yield server.base_url, server.pid
 
 
+def _cases(text: str) -> list[str]:
+    cases = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown or not cases:
+        raise argparse.ArgumentTypeError(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
+    return cases
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running agentkv server on loopback (default: start a tiny-model one)")
     parser.add_argument("--pid", type=int, help="with --url: the API server's pid, to sample RSS")
-    parser.add_argument("--minutes", type=float, default=SoakConfig.minutes)
-    parser.add_argument("--max-requests", type=int, default=SoakConfig.max_requests)
-    parser.add_argument("--concurrency", type=int, default=SoakConfig.concurrency)
+    parser.add_argument("--minutes", type=at_least(float, 0.0, strict=True), default=SoakConfig.minutes)
+    parser.add_argument("--max-requests", type=at_least(int, 1), default=SoakConfig.max_requests)
+    parser.add_argument("--concurrency", type=at_least(int, 1), default=SoakConfig.concurrency)
     parser.add_argument("--api-key", help="the server's --api-key (a started server gets it)")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
-    parser.add_argument("--rss-interval", type=float, default=SoakConfig.rss_interval, help="seconds")
+    parser.add_argument("--cases", type=_cases, default=list(CASES),
+                        help="comma-separated subset of: " + ", ".join(CASES))
+    parser.add_argument("--rss-interval", type=at_least(float, 0.0, strict=True), default=SoakConfig.rss_interval,
+                        help="seconds")
     parser.add_argument("--seed", type=int, default=SoakConfig.seed)
     parser.add_argument("--model", default=SoakConfig.model, help="served model name")
-    parser.add_argument("--blocks", type=int, default=SoakConfig.blocks, help="a started server's KV blocks")
+    parser.add_argument("--blocks", type=at_least(int, 2), default=SoakConfig.blocks,
+                        help="a started server's KV blocks")
     parser.add_argument("--out", type=Path, default=SoakConfig.out, help="report soak.json and server log here")
 
 
 def main(args: argparse.Namespace) -> None:
     config = SoakConfig(url=args.url, pid=args.pid, minutes=args.minutes, max_requests=args.max_requests,
                         concurrency=args.concurrency, api_key=args.api_key,
-                        cases=[c for c in args.cases.split(",") if c], rss_interval=args.rss_interval,
+                        cases=list(args.cases), rss_interval=args.rss_interval,
                         seed=args.seed, model=args.model, blocks=args.blocks, out=args.out)
     if config.url:
         _check_loopback(config.url)

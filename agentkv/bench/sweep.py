@@ -86,7 +86,9 @@ def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, c
     names = [t["name"] for t in tapes]
     if len(set(names)) != len(names):
         raise ValueError(f"tape names must differ (header 'name'): {names}")
-    first = [p for p in ("lru", "belady") if p in policies or preflight]
+    # every table of the report is relative to lru and belady: they always run and stay in it
+    first = ["lru", "belady"]
+    policies = [*(p for p in first if p not in policies), *policies]
     rest = [p for p in policies if p not in first]
     results: list[dict[str, Any]] = []
     total = sum(len(t["candidates"]) for t in tapes) * (len(first) + len(rest))
@@ -121,8 +123,7 @@ def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, c
             pool.shutdown()
     bar.close()
     order = {p: i for i, p in enumerate(policies)}
-    results.sort(key=lambda r: (names.index(r["tape"]), r["capacity"], order.get(r["policy"], len(order))))
-    results = [r for r in results if r["policy"] in order]
+    results.sort(key=lambda r: (names.index(r["tape"]), r["capacity"], order[r["policy"]]))
     report = {"policies": list(policies), "margin": margin, "preflight": preflight, "tapes": tapes, "results": results}
     report["targets"] = targets(report)
     return report

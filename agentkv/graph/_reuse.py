@@ -282,8 +282,8 @@ def score_reuse(
                                       tolerance=0.0 if config.steps else config.step_tolerance)
     steps = len(passage)
     resolution = max(gaps.quantile(config.resolution_quantile) or 0.0, config.min_time)
-    mean_gap = max(gaps.mean_gap, resolution)
-    ahead = np.arange(steps) * mean_gap  # time from the next dispatch to the k-th next one
+    median_gap = max(gaps.median_gap, resolution)
+    ahead = np.arange(steps) * median_gap  # time from the next dispatch to the k-th next one
 
     hazard = end_hazard if end_hazard is not None and len(end_hazard) else np.zeros(1)
     live = sessions if isinstance(sessions, LiveSessions) else _columns(sessions)
@@ -313,7 +313,7 @@ def score_reuse(
         rates, still = session_rates(chain, gaps, part, chain_rows if copied is None else
                                      [chain_rows[i] for i in evaluated], now=now, continuation=continuation,
                                      interposed=interposed, hazard=hazard, passage=passage, resolution=resolution,
-                                     mean_gap=mean_gap, ahead=ahead, end_floor=config.end_floor)
+                                     median_gap=median_gap, ahead=ahead, end_floor=config.end_floor)
         if copied is None:
             session_rate = rates
         else:
@@ -349,7 +349,7 @@ def score_reuse(
         session_rate=session_rate,
         dead=dead,
         steps=steps,
-        horizon_s=steps * mean_gap,
+        horizon_s=steps * median_gap,
         resolution=resolution,
         predictability=predictability,
         predictable=predictability >= config.r_min,

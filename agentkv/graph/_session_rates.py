@@ -22,7 +22,7 @@ def rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
 
 def session_rates(chain: ChainModel, gaps: GapTable, live: LiveSessions, chain_rows: list[int], *, now: float,
                   continuation: Mapping[str, float], interposed: np.ndarray | None, hazard: np.ndarray,
-                  passage: np.ndarray, resolution: float, mean_gap: float, ahead: np.ndarray,
+                  passage: np.ndarray, resolution: float, median_gap: float, ahead: np.ndarray,
                   end_floor: float) -> tuple[np.ndarray, np.ndarray]:
     """(rate[s, a] of the next use of agent a's prefix in session s, P(a gap as long as s's idle
     time)[s]) for the sessions ``live`` (at least one), whose agents are ``chain_rows`` of the chain.
@@ -57,7 +57,7 @@ def session_rates(chain: ChainModel, gaps: GapTable, live: LiveSessions, chain_r
     in_handoff = np.divide(in_handoff, total, out=np.zeros_like(total), where=some)
     tool_soon = np.maximum(tool_time, resolution)
     handoff_soon = np.maximum(handoff_time, resolution)
-    after_tool = tool_soon + mean_gap  # the next dispatch after a tool call comes after the agent's next request
+    after_tool = tool_soon + median_gap  # the next dispatch after a tool call comes after the agent's next request
     # (steps, sessions): the k-th next dispatch, after a hand-off or after the tool call;
     # the chain's rows lose the chance of ending, which ``stays`` accounts for
     weights = (in_handoff[None, :] * rate_after(handoff_soon[None, :] + ahead[:, None], resolution)

@@ -20,7 +20,7 @@ _EDGES = np.geomspace(0.02, 7200.0, 49)
 _CENTERS = np.sqrt(_EDGES[:-1] * _EDGES[1:])
 _BINS = len(_CENTERS)
 _EDGE_LIST = tuple(_EDGES.tolist())  # bisect on plain floats: a numpy call per gap costs ~20x more
-_ALL, _TOOL, _HANDOFF = 0, 1, 2  # rows of a gap histogram
+_TOOL, _HANDOFF = 0, 1  # rows of a gap histogram
 _TOLD_PRIOR = 2.0  # answers of evidence the prior of ``continuation_after`` counts for
 _MAX_LENGTH = 64  # session lengths (dispatches) are counted up to this; longer ones share the last bin
 _LENGTH_DECAY = 0.995  # per ended session
@@ -83,20 +83,18 @@ class LiveSessions(NamedTuple):
 class GapTable:
     """Read-only per-agent view of the learned gap distributions, evaluated at bin edges.
 
-    ``survival[i, b]`` = P(gap > edge b) for agents[i]; ``residual[i, b]`` = the harmonic mean of
-    gap - edge b given gap > edge b; ``mean_gap`` the median gap over all agents, ``cdf[b]`` the
-    share of all gaps in bins 0..b (empty before any gap was seen). Row
-    ``len(agents)`` is the global distribution (agents never seen). ``tool`` and ``handoff``
-    hold the same two arrays for the gaps within a dispatch (the agent's tool loop) and the
-    gaps to the next dispatch, learned apart: an idle time long past the hand-off gaps says the
-    session is in a tool call, so the current agent's history is the part reused next.
+    ``tool`` and ``handoff`` are (survival, residual) for the gaps within a dispatch (the agent's
+    tool loop) and the gaps to the next dispatch, learned apart: ``survival[i, b]`` = P(gap > edge
+    b) for agents[i], ``residual[i, b]`` = the harmonic mean of gap - edge b given gap > edge b;
+    row ``len(agents)`` is the global distribution (agents never seen). An idle time long past the
+    hand-off gaps says the session is in a tool call, so the current agent's history is the part
+    reused next. ``median_gap`` is the median of all gaps of all agents, ``cdf[b]`` the share of
+    all gaps in bins 0..b (empty before any gap was seen).
     """
 
     agents: tuple[str, ...]
     index: dict[str, int]
-    survival: np.ndarray
-    residual: np.ndarray
-    mean_gap: float
+    median_gap: float
     tool: tuple[np.ndarray, np.ndarray]
     handoff: tuple[np.ndarray, np.ndarray]
     cdf: np.ndarray
@@ -109,11 +107,6 @@ class GapTable:
         if not len(self.cdf):
             return None
         return float(_CENTERS[min(int(np.searchsorted(self.cdf, q)), _BINS - 1)])
-
-    def at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(P(gap > idle), E[remaining time | gap > idle]) for each (row, idle) pair."""
-        bins, past = _bins_of(idle)
-        return self.survival[rows, bins], self.residual[rows, bins] - past
 
     def split_at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(P(tool gap > idle), its time left, P(hand-off gap > idle), its time left)."""
@@ -130,8 +123,8 @@ def _bins_of(idle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return bins, np.maximum(idle - _EDGES[bins], 0.0)
 
 
-def _tables(own: np.ndarray, pooled: np.ndarray, prior_gaps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(survival, harmonic time left, the pooled prior) of gap counts ``own`` (one row per agent),
+def _tables(own: np.ndarray, pooled: np.ndarray, prior_gaps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(survival, harmonic time left) of gap counts ``own`` (one row per agent),
     each shrunk towards ``pooled`` by ``prior_gaps`` gaps; a last row is the prior alone."""
     total = pooled.sum()
     prior = pooled / total if total > 0 else np.full(_BINS, 1.0 / _BINS)
@@ -144,11 +137,11 @@ def _tables(own: np.ndarray, pooled: np.ndarray, prior_gaps: float) -> tuple[np.
     # of next use is an average of 1/time, and heavy tails would inflate a plain mean
     inverse = np.sum(mass[:, None, :] * _INVERSE_LEFT[None, :, :], axis=2)
     residual = np.divide(tail, inverse, out=np.zeros_like(tail), where=inverse > 0)
-    return survival, residual, prior
+    return survival, residual
 
 
 def _zero_rows() -> list[list[float]]:
-    return [[0.0] * _BINS for _ in range(3)]
+    return [[0.0] * _BINS for _ in range(2)]
 
 
 def _divide_rows(rows: list[list[float]], divisor: float) -> None:
@@ -166,16 +159,15 @@ class SessionTiming:
     how many dispatches ended sessions lasted (the hazard that a session ends where it is).
 
     Invariants: ``_hist[agent]`` holds decayed gap counts per bin (multiplied by
-    ``_weight[agent]``), row ``_ALL`` of every gap, rows ``_TOOL`` and ``_HANDOFF`` of the gaps
-    within a dispatch and to the next one (``_ALL`` is their sum); ``_sessions`` is ordered by
-    last arrival, oldest first, and bounded.
+    ``_weight[agent]``), row ``_TOOL`` of the gaps within a dispatch and row ``_HANDOFF`` of
+    the gaps to the next one; ``_sessions`` is ordered by last arrival, oldest first, and bounded.
     """
 
     def __init__(self, config: TimingConfig | None = None) -> None:
         self.config = config or TimingConfig()
         self._decay = 2.0 ** (1.0 / self.config.half_life)
-        # plain lists, one per row: a request adds to two cells of two of them (numpy element
-        # updates cost ~10x more); ``table`` turns them into arrays
+        # plain lists, one per row: a gap adds to one cell of its agent's rows and one of the
+        # global rows (numpy element updates cost ~10x more); ``table`` turns them into arrays
         self._hist: OrderedDict[str, list[list[float]]] = OrderedDict()
         self._weight: dict[str, float] = {}
         self._global = _zero_rows()
@@ -287,15 +279,12 @@ class SessionTiming:
             _divide_rows(hist, weight)
             weight = 1.0
         self._weight[agent] = weight
-        kind = _TOOL if same_dispatch else _HANDOFF
-        hist[_ALL][b] += weight
-        hist[kind][b] += weight
+        hist[_TOOL if same_dispatch else _HANDOFF][b] += weight
         self._global_weight *= self._decay
         if self._global_weight > 1e100:
             _divide_rows(self._global, self._global_weight)
             self._global_weight = 1.0
-        self._global[_ALL][b] += self._global_weight
-        self._global[kind][b] += self._global_weight
+        self._global[_TOOL if same_dispatch else _HANDOFF][b] += self._global_weight
         self._gaps += 1
 
     # -- reading ---------------------------------------------------------------------
@@ -360,17 +349,18 @@ class SessionTiming:
     def table(self) -> GapTable:
         """Survival and time left of every agent's gap distribution, at the bin edges."""
         agents = tuple(self._hist)
-        own = np.array([self._hist[a] for a in agents], dtype=float).reshape(len(agents), 3, _BINS) \
+        own = np.array([self._hist[a] for a in agents], dtype=float).reshape(len(agents), 2, _BINS) \
             / np.array([self._weight[a] for a in agents], dtype=float).reshape(-1, 1, 1)
         pooled = np.array(self._global) / self._global_weight
         prior_gaps = self.config.prior_gaps
-        survival, residual, prior = _tables(own[:, _ALL], pooled[_ALL], prior_gaps)
-        tool = _tables(own[:, _TOOL], pooled[_TOOL], prior_gaps)[:2]
-        handoff = _tables(own[:, _HANDOFF], pooled[_HANDOFF], prior_gaps)[:2]
-        cdf = np.cumsum(prior) if pooled[_ALL].sum() > 0 else np.zeros(0)
-        mean_gap = float(_CENTERS[min(int(np.searchsorted(cdf, 0.5)), _BINS - 1)]) if len(cdf) \
+        tool = _tables(own[:, _TOOL], pooled[_TOOL], prior_gaps)
+        handoff = _tables(own[:, _HANDOFF], pooled[_HANDOFF], prior_gaps)
+        every = pooled[_TOOL] + pooled[_HANDOFF]
+        total = every.sum()
+        cdf = np.cumsum(every / total) if total > 0 else np.zeros(0)
+        median_gap = float(_CENTERS[min(int(np.searchsorted(cdf, 0.5)), _BINS - 1)]) if len(cdf) \
             else float(_CENTERS.mean())
-        return GapTable(agents, {a: i for i, a in enumerate(agents)}, survival, residual, mean_gap, tool, handoff, cdf)
+        return GapTable(agents, {a: i for i, a in enumerate(agents)}, median_gap, tool, handoff, cdf)
 
     def state_bytes(self) -> int:
-        return (len(self._hist) + 1) * 3 * _BINS * 8 + sum(len(s) + 40 for s in self._sessions)
+        return (len(self._hist) + 1) * 2 * _BINS * 8 + sum(len(s) + 40 for s in self._sessions)

@@ -159,6 +159,23 @@ def test_cli_tape_and_replay(tmp_path, capsys):
     assert (out / "replay.md").read_text() == text.rstrip("\n") + "\n"
 
 
+def test_cli_replay_always_runs_the_references(tmp_path, capsys):
+    """The report is relative to lru and belady: a policy list without them, and no preflight, still
+    gives the full report (it crashed with a KeyError)."""
+    pytest.importorskip("matplotlib")
+    from agentkv.__main__ import main
+
+    tape = tmp_path / "p.jsonl"
+    main(["bench", "tape", "--topology", "pipeline", "--sessions", "4", "--seed", "1", "-o", str(tape)])
+    out = tmp_path / "out"
+    main(["bench", "replay", str(tape), "--policies", "agentkv", "--multipliers", "1.5", "--no-preflight",
+          "--jobs", "1", "--quiet", "--out", str(out)])
+    assert "| agentkv |" in capsys.readouterr().out
+    report = json.loads((out / "replay.json").read_text())
+    assert report["policies"] == ["lru", "belady", "agentkv"]
+    assert [r["policy"] for r in report["results"]] == ["lru", "belady", "agentkv"]
+
+
 def test_capacity_below_the_largest_request_is_refused(selector):
     with pytest.raises(replay_module.CapacityError):
         Replay(selector, POLICIES["lru"](), selector.max_request_blocks)

@@ -18,7 +18,7 @@ def _block(ttft: list[float], turns: int = 4, wall: float = 2.0, hits: float = 5
     return Block(np.array(ttft), np.array([t + 100 for t in ttft]), turns, wall, hits, queries)
 
 
-def test_identical_servers_give_ratio_one_inside_the_noise():
+def test_identical_servers_are_the_same():
     rng = np.random.default_rng(3)
     pairs = []
     for _ in range(10):
@@ -28,7 +28,18 @@ def test_identical_servers_give_ratio_one_inside_the_noise():
     assert result["blocks"] == 10
     assert result["ttft_mean"] == {"value": 1.0, "low": 1.0, "high": 1.0}
     assert result["hit_rate"]["value"] == 0.0
-    assert verdict(result["ttft_mean"], neutral=1.0, lower_is_better=True) == "inside the noise"
+    assert verdict(result["ttft_mean"], neutral=1.0, lower_is_better=True) == "the same"
+
+
+def test_an_interval_within_the_tolerance_is_the_same_not_worse():
+    """An open-loop run's throughput is set by the arrival rate: 1.00x [0.997, 0.999] is no loss."""
+    effect = {"value": 0.998, "low": 0.997, "high": 0.999}
+    assert verdict(effect, neutral=1.0, lower_is_better=False) == "worse"
+    assert verdict(effect, neutral=1.0, lower_is_better=False, tolerance=0.01) == "the same"
+    assert verdict({"value": 0.98, "low": 0.97, "high": 0.999}, neutral=1.0, lower_is_better=False,
+                   tolerance=0.01) == "worse"
+    assert verdict({"value": 1.0, "low": 0.98, "high": 1.005}, neutral=1.0, lower_is_better=False,
+                   tolerance=0.01) == "inside the noise"
 
 
 def test_a_consistent_gain_is_called_better_and_pooled_exactly():
@@ -46,7 +57,7 @@ def test_a_consistent_gain_is_called_better_and_pooled_exactly():
     assert lines[0] == "arrival rate 0.5/s, agentkv vs vanilla, 12 paired blocks (95% bootstrap intervals):"
     assert lines[1].split() == ["mean", "TTFT", "0.70x", "[0.70,", "0.70]", "better"]
     assert lines[-1].split()[-1] == "better" and "+15.0 points" in lines[-1]
-    assert "inside the noise" in lines[5]  # throughput
+    assert "the same (within 1%)" in lines[5]  # throughput: 1.00x in every block
 
 
 def test_noisy_blocks_give_an_interval_around_the_point():

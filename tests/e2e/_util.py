@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import httpx
+
+from agentkv.protocol import STATS_MAX_AGE
+from agentkv.warmup import WarmupConfig
 
 BLOCK = 32
 MAX_PROMPT = 2040  # max_model_len 2048 with max_tokens 1: 64 blocks
@@ -30,6 +34,9 @@ def fill_cache(base_url: str, seed: str, prompts: int = 2) -> None:
             rng = random.Random(f"fill-{seed}-{i}")
             prompt = [rng.randrange(10, 4000) for _ in range(MAX_PROMPT)]
             client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}).raise_for_status()
+    # what a warm-up coordinator knows of the anchors' residency is up to one stats document
+    # (STATS_MAX_AGE) and one metrics poll (metrics_interval) old: let it see the eviction
+    time.sleep(STATS_MAX_AGE + WarmupConfig().metrics_interval)
 
 
 def cached_tokens(message: Any) -> int:

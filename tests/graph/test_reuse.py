@@ -239,18 +239,24 @@ def test_declared_facts_rule_out_a_next_agent():
 def test_gap_distribution_survival_and_residual_time():
     timing = SessionTiming()
     now = 0.0
-    for n in range(400):  # gaps alternate 1 s and 10 s
+    for n in range(400):  # gaps alternate 1 s and 10 s, every one a hand-off (no steps)
         now += 1.0 if n % 2 else 10.0
         timing.observe("s", "x", now)
     table = timing.table()
     row = np.array([table.row("x")])
-    survival, residual = table.at(row, np.array([0.0]))
-    assert survival[0] == pytest.approx(1.0)
-    assert residual[0] == pytest.approx(1 / ((1 / 1 + 1 / 10) / 2), rel=0.15)  # harmonic mean of the time left
-    survival, residual = table.at(row, np.array([3.0]))  # only the 10 s gaps are left
-    assert survival[0] == pytest.approx(0.5, abs=0.03)
-    assert residual[0] == pytest.approx(7.0, rel=0.15)
-    assert table.at(row, np.array([1000.0]))[0][0] < 0.01
+
+    def handoff_at(idle: float) -> tuple[float, float]:
+        _, _, survival, residual = table.split_at(row, np.array([idle]))
+        return float(survival[0]), float(residual[0])
+
+    survival, residual = handoff_at(0.0)
+    assert survival == pytest.approx(1.0)
+    assert residual == pytest.approx(1 / ((1 / 1 + 1 / 10) / 2), rel=0.15)  # harmonic mean of the time left
+    survival, residual = handoff_at(3.0)  # only the 10 s gaps are left
+    assert survival == pytest.approx(0.5, abs=0.03)
+    assert residual == pytest.approx(7.0, rel=0.15)
+    assert handoff_at(1000.0)[0] < 0.01
+    assert table.median_gap in (pytest.approx(1.0, rel=0.3), pytest.approx(10.0, rel=0.3))
 
 
 def test_session_start_rate_and_continuation():

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from agentkv.protocol import STATS_PATH
+from agentkv.protocol import STATS_MAX_AGE, STATS_PATH
+from agentkv.testing.server_stats import wait_for
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
 pytestmark = pytest.mark.server
@@ -40,11 +42,12 @@ def test_tagged_answers_are_told_to_the_engine(tool_server, tool_choice, stream,
             "tool_choice": tool_choice, "max_tokens": 300, "seed": 7, "stream": stream}
     headers = {"X-AgentKV-Agent": "coder", "X-AgentKV-Session": f"s-{kind}-{stream}"}
     with httpx.Client(base_url=tool_server.base_url, timeout=120, trust_env=False) as client:
+        time.sleep(STATS_MAX_AGE)  # a fresh document: one served again could predate earlier answers
         before = _answers(client)
         client.post("/v1/chat/completions", json=body, headers=headers).raise_for_status()
-        for _ in range(50):  # told in the background, after the answer reached the client
-            after = _answers(client)
-            if after != before:
-                break
+        # told in the background after the answer reached the client, and stats are served again
+        # for up to STATS_MAX_AGE: poll until the count moves
+        wait_for(lambda: _answers(client) != before, "the answer to be told to the engine")
+        after = _answers(client)
     assert {k: after.get(k, 0) - before.get(k, 0) for k in ("tool_call", "no_tool_call")} == {
         "tool_call": int(kind == "tool_call"), "no_tool_call": int(kind == "no_tool_call")}

@@ -10,13 +10,14 @@ every later one 20.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from agentkv.protocol import STATS_PATH, AgentTag
+from agentkv.protocol import STATS_MAX_AGE, STATS_PATH, AgentTag
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
 pytestmark = pytest.mark.server
@@ -48,6 +49,7 @@ def _cached_tokens(client: httpx.Client, index: int) -> int:
 
 def _counted(client: httpx.Client) -> tuple[int, float]:
     """(evictions in stats, agentkv_evictions_total summed over classes in /metrics)."""
+    time.sleep(STATS_MAX_AGE)  # both serve one document again for up to STATS_MAX_AGE
     stats = client.get(STATS_PATH).json()
     assert stats["policy"] == "lru"
     metrics = sum(float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()

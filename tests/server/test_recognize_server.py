@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+import time
 
 import httpx
 import pytest
 
-from agentkv.protocol import STATS_PATH
+from agentkv.protocol import STATS_MAX_AGE, STATS_PATH
 
 pytestmark = pytest.mark.server
 
@@ -26,6 +27,7 @@ def test_untagged_requests_show_recognized_agents_in_stats(own_agentkv_server):
     agentkv_server = own_agentkv_server
     anchors = {a: _tokens("team", BLOCK) + _tokens(f"anchor-{a}", 4 * BLOCK) for a in AGENTS}
     with httpx.Client(base_url=agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        time.sleep(STATS_MAX_AGE)  # the stats document is served again for up to STATS_MAX_AGE
         before = client.get(STATS_PATH).json()["recognition"]["recognized_requests"]
         for s in range(5):
             history = _tokens(f"task-{s}", 3 * BLOCK)
@@ -33,6 +35,7 @@ def test_untagged_requests_show_recognized_agents_in_stats(own_agentkv_server):
                 body = {"model": "tiny", "prompt": anchors[agent] + history, "max_tokens": 1, "temperature": 0}
                 client.post("/v1/completions", json=body).raise_for_status()
                 history = history + _tokens(f"out-{s}-{agent}", BLOCK)
+        time.sleep(STATS_MAX_AGE)
         stats = client.get(STATS_PATH).json()
         recent = client.get("/agentkv/v1/recognized").json()["recognized"]
     assert stats["recognition"]["recognized_requests"] - before >= 4

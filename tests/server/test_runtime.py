@@ -101,6 +101,24 @@ def test_survival_keeps_every_anchor_where_lru_cycles_them_out():
     assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["retired"]
 
 
+@pytest.mark.parametrize("gap", [0.01, 0.02, 0.2, 2.0])
+def test_sessions_calling_faster_than_the_refresh_interval_keep_their_anchors(gap):
+    """The default ``refresh_interval`` (0.1 s) must not leave a stale model in charge when a
+    session's calls come faster than that (a fast engine, short answers): every anchor is kept."""
+    clock = [0.0]
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
+    runtime.install(kv)
+    hits = []
+    for session, agent, tokens, tag in pipeline_sessions(6):
+        hits.append((session, run(kv, runtime, request(tokens, tag))))
+        clock[0] += gap
+        if agent == AGENTS[-1]:
+            runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": session}]})
+    assert [hit for session, hit in hits if session not in ("s0", "s1")] == [ANCHOR_BLOCKS * BS] * 16
+    assert runtime.stats()["evictions"]["anchor"] == 0
+
+
 @pytest.mark.parametrize("mode", ["disabled", "untagged"])
 def test_lru_equivalence_when_disabled_or_without_metadata(mode):
     vanilla_kv = manager(NUM_BLOCKS)

@@ -13,7 +13,10 @@ __all__ = ["main"]
 
 
 def main(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # a combination of options the benchmark cannot run
+        raise SystemExit(f"agentkv bench serve: {exc}") from None
     result = run_benchmark(config)
     paths = write_reports(result, config.out, args.plot)
     print()

@@ -1,0 +1,42 @@
+"""argparse types of the command line: a number in range, or a one-line usage error."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = ["at_least", "list_of"]
+
+N = TypeVar("N", int, float)
+
+
+def at_least(cast: Callable[[str], N], minimum: float, *, strict: bool = False) -> Callable[[str], N]:
+    """A finite ``cast`` (int or float) >= ``minimum`` (> with ``strict``; -inf: any finite number)."""
+    kind = "an integer" if cast is int else "a number"
+
+    def parse(text: str) -> N:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            bound = "" if minimum == -math.inf else f" {'>' if strict else '>='} {minimum:g}"
+            raise argparse.ArgumentTypeError(f"must be {kind if cast is int else 'a finite number'}{bound}, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
+def list_of(item: Callable[[str], N]) -> Callable[[str], list[N]]:
+    """A non-empty comma-separated list of ``item`` values."""
+
+    def parse(text: str) -> list[N]:
+        values = [item(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"no values in {text!r}")
+        return values
+
+    return parse
