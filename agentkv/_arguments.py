@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TypeVar
 
-__all__ = ["at_least", "list_of"]
+__all__ = ["at_least", "list_of", "names_from"]
 
 N = TypeVar("N", int, float)
 
@@ -38,5 +38,18 @@ def list_of(item: Callable[[str], N]) -> Callable[[str], list[N]]:
         if not values:
             raise argparse.ArgumentTypeError(f"no values in {text!r}")
         return values
+
+    return parse
+
+
+def names_from(choices: Collection[str], what: str) -> Callable[[str], list[str]]:
+    """A non-empty comma-separated list of names, each one of ``choices`` (``what`` names them)."""
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+        return names
 
     return parse

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from agentkv._arguments import at_least, list_of
+from agentkv._arguments import at_least, list_of, names_from
 
 from ._defaults import (
     DEFAULT_MARGIN,
@@ -23,14 +23,6 @@ from ._defaults import (
 __all__ = ["add_replay_arguments", "add_tape_arguments", "run_replay", "run_tape"]
 
 DEFAULT_OUT = Path(".build/bench-replay")
-
-
-def _names(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in names if x not in WORKLOAD_NAMES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown workloads {unknown}; choose from {', '.join(WORKLOAD_NAMES)}")
-    return names
 
 
 def _workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +70,8 @@ def run_tape(args: argparse.Namespace) -> None:
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("tapes", nargs="*", help="tape files; none: generate one tape per workload (options below)")
     _workload_arguments(parser)
-    parser.add_argument("--workloads", "--topologies", dest="workloads", type=_names, default=list(WORKLOAD_NAMES),
+    parser.add_argument("--workloads", "--topologies", dest="workloads", type=names_from(WORKLOAD_NAMES, "workloads"),
+                        default=list(WORKLOAD_NAMES),
                         help="workloads of the generated tapes, comma-separated (without TAPE arguments; "
                              f"default all: {','.join(WORKLOAD_NAMES)})")
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),

@@ -125,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     model_dir = build_bench_model(args.directory)
     shape = bench_shape()
-    print(f"{model_dir}: hidden {shape.hidden_size} x {shape.num_layers} layers "
-          f"({'native' if native_bf16() else 'no native'} bfloat16 on this CPU; {time.monotonic() - t0:.0f} s)")
+    native = "native" if shape is NATIVE_BF16_SHAPE else "no native"
+    print(f"{model_dir}: hidden {shape.hidden_size} x {shape.num_layers} layers ({native} bfloat16 on this CPU; "
+          f"{time.monotonic() - t0:.0f} s)")
     if args.measure:
         from agentkv.bench._defaults import SERVER_ENV
         from agentkv.launcher import ServerProcess, ServerSpec

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from agentkv._arguments import at_least
+from agentkv._arguments import at_least, names_from
 
 from ._defaults import SERVER_ENV
 from .soak_cases import CASES, SoakContext, choose_case
@@ -254,14 +254,6 @@ def _own_server(config: SoakConfig) -> Iterator[tuple[str, int | None]]:
         yield server.base_url, server.pid
 
 
-def _cases(text: str) -> list[str]:
-    cases = [c.strip() for c in text.split(",") if c.strip()]
-    unknown = [c for c in cases if c not in CASES]
-    if unknown or not cases:
-        raise argparse.ArgumentTypeError(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
-    return cases
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="a running agentkv server on loopback (default: start a tiny-model one)")
     parser.add_argument("--pid", type=int, help="with --url: the API server's pid, to sample RSS")
@@ -269,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-requests", type=at_least(int, 1), default=SoakConfig.max_requests)
     parser.add_argument("--concurrency", type=at_least(int, 1), default=SoakConfig.concurrency)
     parser.add_argument("--api-key", help="the server's --api-key (a started server gets it)")
-    parser.add_argument("--cases", type=_cases, default=list(CASES),
+    parser.add_argument("--cases", type=names_from(CASES, "cases"), default=list(CASES),
                         help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--rss-interval", type=at_least(float, 0.0, strict=True), default=SoakConfig.rss_interval,
                         help="seconds")
