@@ -62,9 +62,10 @@ Group = Anchor | History | Untagged
 @dataclass(frozen=True, slots=True)
 class ReuseConfig:
     """``r_min``: below this learned predictability every group scores alike (exact LRU), as they
-    do at R = 0 (no transition learned). Off (0) by default: a chain that cannot tell the next agent (R near 0) still tells an anchor that every
-    session reuses from one session's history, and ranking by it beats LRU by 8-10 points of hit rate
-    on uniformly random routing (docs/benchmarks.md); set it to demand an order before acting on it.
+    do at R = 0 (no transition learned). Off (0) by default: a chain that cannot tell the next
+    agent (R near 0) still tells an anchor every session calls from one session's history, and
+    ranking by it beats LRU by 8-10 points of hit rate on uniformly random routing
+    (docs/server.md#the-eviction-order); set it to demand an order before acting on it.
 
     ``max_steps`` caps the dispatches looked ahead (the sum stops earlier once the chance of a
     first use at a further step is below ``step_tolerance``); ``steps`` fixes the count instead.
