@@ -103,8 +103,8 @@ SETTINGS: tuple[Setting, ...] = (
             "stats, eviction counters and learning still run", _switch),
     Setting("horizon", "AGENTKV_HORIZON", "K", "learned", "fixes K, the dispatches looked ahead "
             "(learned: up to 24, until no first use further on is likely)", _number(int, 1)),
-    Setting("r-min", "AGENTKV_R_MIN", "R", "0.2", "below this predictability R every agent scores alike: "
-            "plain LRU", _number(float, 0, high=1)),
+    Setting("r-min", "AGENTKV_R_MIN", "R", "0", "below this predictability R every group scores alike: "
+            "plain LRU (0: the model ranks from the first tagged request on)", _number(float, 0, high=1)),
     Setting("refresh-interval", "AGENTKV_REFRESH_INTERVAL", "SECONDS", "0.1", "least seconds between two "
             "evaluations of the next-use model (a session event applies at once; shorter while sessions call "
             "faster: a quarter of the learned median gap)", _number(float, 0)),

@@ -216,3 +216,33 @@ def test_tracker_merges_and_classifies_runs_like_single_blocks():
     untracked.set_block_hash(b"u")  # type: ignore[arg-type]
     tracker.evicted([untracked, hashless], lambda session: False)  # a block without a hash is not evicted
     assert tracker.evictions == {"anchor": 3, "retired": 2, "untagged": 1}
+
+
+def random_sessions(n_sessions: int, seed: int = 0):
+    """Sessions of 6 dispatches, each to a uniformly drawn agent: the next agent is unpredictable."""
+    rng = random.Random(seed)
+    for s in range(n_sessions):
+        parent = ""
+        for step in range(6):
+            agent = rng.choice(AGENTS)
+            start = 1_000_000 + (s * 6 + step) * 1000
+            yield anchor(agent) + list(range(start, start + HISTORY_BLOCKS * BS)) + [7], \
+                AgentTag(agent, f"s{s}", parent, step)
+            parent = agent
+
+
+def test_random_routing_keeps_anchors():
+    """Uniformly random routing (R near 0, below the former default ``r_min`` 0.2): the model still
+    ranks the anchors every session calls above one session's history, where LRU cycles them out.
+    (``test_unpredictable_workload_falls_back_to_lru``: an ``r_min`` above R restores exact LRU.)"""
+    clock = [0.0]
+    kv, vanilla_kv = manager(NUM_BLOCKS), manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
+    runtime.install(kv)
+    hits = []
+    for tokens, tag in random_sessions(30):
+        hits.append(run(kv, runtime, request(tokens, tag)))
+        clock[0] += 1.0
+    vanilla = [run(vanilla_kv, None, request(tokens, None)) for tokens, _ in random_sessions(30)]
+    assert 0 < runtime.table.predictability < 0.2 and runtime.policy == "survival"
+    assert sum(hits) >= 1.25 * sum(vanilla)  # 8,496 vs 6,432 tokens
