@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import bisect
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
