@@ -1,4 +1,4 @@
-"""Whether a tagged request's answer was a tool call, read off the response as it streams by.
+"""Whether a request's answer was a tool call, read off the response as it streams by.
 
 An answer that calls a tool brings the same agent back once the tool returns, with the whole
 prompt as its prefix; one that does not hands the session on (or ends it). The engine sees
@@ -6,16 +6,31 @@ only token ids, so the API server's middleware reads the response (a JSON body o
 events) and tells the engine's runtime. A tool call shows as ``"finish_reason": "tool_calls"``
 or as a non-empty ``"tool_calls": [{...`` list (vLLM reports a named ``tool_choice`` with
 finish reason ``stop``, and a streamed call cut at ``max_tokens`` with ``length``).
+
+An untagged request has no session the middleware could name: the engine's recognition gives
+it one. Then the middleware names the response instead (its ``"id"``, the first one in the body:
+vLLM writes the response's own id first, a tool call's id later) and the engine finds the
+recognized session by the request id the response id stands for (``answer_keys``).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["AnswerWatch"]
+__all__ = ["AnswerWatch", "answer_keys"]
 
 _TOOL_CALLS = re.compile(rb'"finish_reason"\s*:\s*"tool_calls"|"tool_calls"\s*:\s*\[\s*\{')
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9._:-]{1,128})"')
 _OVERLAP = 64  # bytes kept from the previous chunk: the pattern may straddle two
+_MAX_ID_SCAN = 4096  # the response id comes first: bytes scanned for it before giving up
+
+
+def answer_keys(request_id: str) -> tuple[str, ...]:
+    """The keys a response may name an engine request by: vLLM (0.32, 0.33) runs a request as its
+    external id plus ``-`` and 8 random characters, and the external id of a chat completion is the
+    response's id, that of a completion's single prompt the response's id plus ``-0``."""
+    external, dash, suffix = request_id.rpartition("-")
+    return (request_id, external) if dash and len(suffix) == 8 else (request_id,)
 
 
 class AnswerWatch:
@@ -26,11 +41,14 @@ class AnswerWatch:
     without a tool parser reports tool calls as plain text, so silence means nothing then).
     """
 
-    def __init__(self, session: str, offered_tools: bool) -> None:
+    def __init__(self, session: str | None, offered_tools: bool) -> None:
+        """``session``: the tagged request's; None: an untagged one, told by ``response_id``."""
         self.session = session
         self.offered_tools = offered_tools
         self.status: int | None = None
         self.seen = False
+        self.response_id: str | None = None
+        self._scanned = 0 if session is None else _MAX_ID_SCAN  # only an untagged answer needs its id
         self._tail = b""
 
     def started(self, status: int) -> None:
@@ -40,6 +58,12 @@ class AnswerWatch:
         if self.seen or self.status != 200 or not body:
             return
         window = self._tail + body
+        if self._scanned < _MAX_ID_SCAN:
+            found = _RESPONSE_ID.search(window)
+            if found is not None:
+                self.response_id, self._scanned = found.group(1).decode("ascii"), _MAX_ID_SCAN
+            else:
+                self._scanned += len(body)
         self.seen = _TOOL_CALLS.search(window) is not None
         self._tail = window[-_OVERLAP:]
 

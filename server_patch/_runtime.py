@@ -33,6 +33,7 @@ from agentkv.graph import (
 )
 from agentkv.protocol import AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_id
 
+from ._answers import answer_keys
 from ._config import RuntimeConfig
 from ._free_queue import ScoredFreeBlockQueue
 from ._recognize import Recognizer
@@ -48,6 +49,7 @@ logger = logging.getLogger("agentkv.server")
 _RETIRED = -math.inf
 _UNPARSED = object()  # tag_of's cache miss (a cached None means: parsed, untagged)
 _MAX_CACHED_TAGS = 65_536
+_MAX_ANSWER_KEYS = 8_192  # recognized requests whose answer may still be told (two keys each)
 # Scores depend on how long sessions have been idle: re-evaluate at least this often (clock s).
 _RESCORE_INTERVAL = 0.25
 # The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
@@ -105,6 +107,7 @@ class AgentKVRuntime(RuntimeControl):
         self.answers: Counter[str] = Counter()  # answers told by the middleware: tool_call / no_tool_call
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
+        self._answer_sessions: OrderedDict[str, str] = OrderedDict()  # answer key -> recognized session
         self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
@@ -192,6 +195,12 @@ class AgentKVRuntime(RuntimeControl):
         self._tags[request_id] = tag
         if len(self._tags) > _MAX_CACHED_TAGS:
             self._tags.popitem(last=False)
+        if result.tag is None and tag is not None and tag.session is not None:
+            # recognized: the middleware can name only the response, by which this request is found
+            for key in answer_keys(request_id):
+                self._answer_sessions[key] = tag.session
+            while len(self._answer_sessions) > _MAX_ANSWER_KEYS:
+                self._answer_sessions.popitem(last=False)
         return tag
 
     def _recognized(self, request: Request, tag: AgentTag | None) -> AgentTag | None:

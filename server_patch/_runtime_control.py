@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,6 +71,7 @@ class RuntimeControl:
     anchor_residency: Callable[[str], tuple[int, int]]
     _saved_version: tuple[int, int] | None
     _stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None
+    _answer_sessions: OrderedDict[str, str]
 
     # -- control channel -----------------------------------------------------------
 
@@ -92,6 +93,8 @@ class RuntimeControl:
             if op == "save":
                 return {"saved": self.save_if_changed()}
             if op == "answered":
+                if "request" in request:
+                    return self.answered_request(request["request"], request.get("tool_call"))
                 return self.answered(request.get("session"), request.get("tool_call"))
             return {"error": f"unknown control op {op!r}"}
 
@@ -107,6 +110,17 @@ class RuntimeControl:
         self.timing.answered(session, tool_call)
         self.answers["tool_call" if tool_call else "no_tool_call"] += 1
         return {"answered": True}
+
+    def answered_request(self, key: object, tool_call: object) -> dict[str, Any]:
+        """An untagged request finished, named by its response id (``_answers.answer_keys``); told
+        as ``answered`` for the session recognition gave it, if any (else nothing to tell)."""
+        if not isinstance(key, str) or len(key) > 256 or type(tool_call) is not bool:
+            return {"error": "answered takes a request id (at most 256 characters) and a boolean tool_call",
+                    "status": 400}
+        session = self._answer_sessions.pop(key, None)
+        if session is None:
+            return {"answered": False}
+        return self.answered(session, tool_call)
 
     def merge(self, payload: object) -> dict[str, Any]:
         """Merge another replica's exported counts (docs/protocol.md §2.3)."""

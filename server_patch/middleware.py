@@ -6,7 +6,7 @@ in the JSON body, so the tag reaches the EngineCore as ``sampling_params.extra_a
 ``AGENTKV_STRICT=1``); (3) serves ``GET /agentkv/v1/stats`` and
 ``POST /agentkv/v1/events`` by asking the EngineCore over the control channel;
 (4) appends agentkv's counters to vLLM's Prometheus ``/metrics``; (5) tells the engine
-whether a tagged request's answer was a tool call (_answers.py); (6) serves
+whether a request's answer was a tool call (_answers.py; an untagged one by its response id); (6) serves
 ``GET /agentkv/v1/state`` / ``POST /agentkv/v1/merge`` and, with ``AGENTKV_PEERS``, pulls
 the other replicas' learned counts every ``AGENTKV_SYNC_INTERVAL`` seconds.
 
@@ -64,12 +64,14 @@ _MAX_REQUEST_DEPTH = 128  # completion bodies re-encoded here (JSON schemas nest
 
 
 class AgentKVMiddleware:
-    """Invariants: a request without agentkv metadata passes through byte for byte; with an API
-    key configured, no ``/agentkv/*`` request is acted on (or its body read) without it."""
+    """Invariants: a request without agentkv metadata passes through byte for byte (its response
+    is only read); with an API key configured, no ``/agentkv/*`` request is acted on (or its body
+    read) without it."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.strict = os.environ.get("AGENTKV_STRICT") == "1"
+        self.recognize = os.environ.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off")  # as the engine reads it
         self.endpoint = control_endpoint(os.getpid())
         self.timeout = 5.0  # seconds to wait for the engine's answer before a 503
         self.malformed = MalformedCounter(logger)
@@ -121,6 +123,8 @@ class AgentKVMiddleware:
         has_agentkv_headers = header_result.tag is not None or bool(header_result.errors)
         body = await _read_body(receive)
         if not has_agentkv_headers and _XARG_PREFIX.encode() not in body:
+            if self.recognize:  # the engine may recognize its session: tell it how this one was answered
+                send = self._watching(send, AnswerWatch(None, b'"tools"' in body), scope["path"])
             await self.app(scope, _replay(body, receive), send)  # nothing of agentkv's: byte for byte
             return
         try:
@@ -158,12 +162,15 @@ class AgentKVMiddleware:
         tag = body_result.tag if body_result.tag is not None else header_result.tag
         if tag is not None and tag.session and not body_result.errors:
             tools = document.get("tools")
-            send = self._watching(send, AnswerWatch(tag.session, isinstance(tools, list) and bool(tools)))
+            send = self._watching(send, AnswerWatch(tag.session, isinstance(tools, list) and bool(tools)),
+                                  scope["path"])
         await self.app(scope, _replay(body, receive), send)
 
-    def _watching(self, send: Send, watch: AnswerWatch) -> Send:
+    def _watching(self, send: Send, watch: AnswerWatch, path: str) -> Send:
         """``send`` that also shows the response to ``watch`` and, once it is complete, tells
-        the engine in the background (never delaying or failing the user's response)."""
+        the engine in the background (never delaying or failing the user's response): of a
+        tagged request its session's answer, of an untagged one the answer to the request its
+        response id names (a completion's single prompt runs as that id plus ``-0``)."""
 
         async def watched(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -173,17 +180,23 @@ class AgentKVMiddleware:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 verdict = watch.verdict()
+                if watch.session is not None:
+                    about = {"session": watch.session}
+                elif watch.response_id is not None:
+                    suffix = "-0" if path == "/v1/completions" else ""
+                    about = {"request": watch.response_id + suffix}
+                else:
+                    verdict = None
                 if verdict is not None:
-                    task = asyncio.get_running_loop().create_task(self._tell_answer(watch.session, verdict))
+                    task = asyncio.get_running_loop().create_task(self._tell_answer(about, verdict))
                     self._telling.add(task)
                     task.add_done_callback(self._telling.discard)
 
         return watched
 
-    async def _tell_answer(self, session: str, tool_call: bool) -> None:
+    async def _tell_answer(self, about: dict[str, str], tool_call: bool) -> None:
         try:
-            reply = await ask(self.endpoint, {"op": "answered", "session": session, "tool_call": tool_call},
-                              self.timeout)
+            reply = await ask(self.endpoint, {"op": "answered", **about, "tool_call": tool_call}, self.timeout)
             if "error" in reply:
                 raise ValueError(reply["error"])
         except (ControlUnavailable, ValueError) as exc:

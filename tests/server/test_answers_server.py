@@ -51,3 +51,26 @@ def test_tagged_answers_are_told_to_the_engine(tool_server, tool_choice, stream,
         after = _answers(client)
     assert {k: after.get(k, 0) - before.get(k, 0) for k in ("tool_call", "no_tool_call")} == {
         "tool_call": int(kind == "tool_call"), "no_tool_call": int(kind == "no_tool_call")}
+
+
+def test_untagged_answers_reach_the_recognized_session(tool_server):
+    """A client that sends no agentkv metadata at all: recognition finds the agent from the shared
+    system prompt, and the middleware tells its answer by the response id."""
+    system = " ".join(f"rule {i}: answer tersely and cite the tool output verbatim." for i in range(40))
+    with httpx.Client(base_url=tool_server.base_url, timeout=120, trust_env=False) as client:
+        def ask(question: str, tool_choice: object) -> None:
+            body = {"model": "tiny", "messages": [{"role": "system", "content": system},
+                                                  {"role": "user", "content": question}],
+                    "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 300, "seed": 7}
+            client.post("/v1/chat/completions", json=body).raise_for_status()
+
+        for i in range(6):  # recognition learns the shared preamble from the traffic
+            ask(f"question number {i} about the weather", "none")
+        time.sleep(STATS_MAX_AGE)
+        before = client.get(STATS_PATH).json()
+        ask("look it up", NAMED)
+        wait_for(lambda: _answers(client).get("tool_call", 0) > before["answers"].get("tool_call", 0),
+                 "the untagged answer to be told to the engine")
+        after = client.get(STATS_PATH).json()
+    assert before["recognition"]["recognized_requests"] >= 1
+    assert after["answers"].get("tool_call", 0) - before["answers"].get("tool_call", 0) == 1

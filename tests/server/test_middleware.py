@@ -228,3 +228,30 @@ def test_the_answered_op_refuses_malformed_input(request_):
     reply = runtime.handle(request_)
     assert reply["status"] == 400 and "error" in reply
     assert runtime.handle({"op": "answered", "session": "s", "tool_call": True}) == {"answered": True}
+
+
+@pytest.mark.parametrize(("path", "chunks", "key"), [
+    ("/v1/chat/completions", [b'data: {"id":"chatcmpl-9a","choices":[{"delta":{"tool_calls":[{"id":"call-1"',
+                              b'}]}}]}\n\n', b"data: [DONE]\n\n"], "chatcmpl-9a"),
+    ("/v1/completions", [b'{"id":"cmpl-77","choices":[{"finish_reason":"tool_calls"}]}'], "cmpl-77-0"),
+])
+async def test_an_untagged_answer_is_told_by_its_response_id(runtime_endpoint, path, chunks, key):
+    middleware = AgentKVMiddleware(answering_app(chunks))
+    runtime_endpoint.timing.observe("recognized-1", "fp:abc", 0.0, 0)
+    runtime_endpoint._answer_sessions[key] = "recognized-1"  # what recognizing the request recorded
+    async with client(middleware) as c:
+        response = await c.post(path, json={**BODY, **TOOLS})  # no agentkv metadata at all
+    assert response.content == b"".join(chunks)
+    assert await _told(runtime_endpoint, "recognized-1") is True
+    assert middleware.answer_failures == 0
+
+
+async def test_untagged_answers_are_not_watched_without_recognition(runtime_endpoint, monkeypatch):
+    monkeypatch.setenv("AGENTKV_RECOGNIZE", "0")
+    middleware = AgentKVMiddleware(answering_app([b'{"id":"chatcmpl-1","choices":[{"finish_reason":"tool_calls"}]}']))
+    runtime_endpoint.timing.observe("recognized-2", "fp:abc", 0.0, 0)
+    runtime_endpoint._answer_sessions["chatcmpl-1"] = "recognized-2"
+    async with client(middleware) as c:
+        await c.post("/v1/chat/completions", json={**BODY, **TOOLS})
+    await asyncio.sleep(0.2)
+    assert runtime_endpoint.timing.told("recognized-2") is None

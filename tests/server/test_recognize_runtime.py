@@ -103,3 +103,25 @@ def test_an_x_session_id_off_the_wire_is_counted_and_recognition_follows_the_ses
     assert len({tag.session for tag in calls}) == 1 and calls[0].session.startswith("fs:")
     assert [tag.parent for tag in calls] == ["", calls[0].agent, calls[1].agent]
     assert runtime.malformed.total == 3  # each request's X-Session-ID counted, none served untagged
+
+
+def test_an_untagged_answer_is_told_to_its_recognized_session():
+    """The middleware names an untagged request by its response id (vLLM runs it as that id plus
+    ``-`` and 8 random characters); the answer reaches the session recognition gave it."""
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    sessions(runtime, kv, 4)
+    history = tokens("task-told", 50)
+    req = Request("chatcmpl-4f2a-1b2c3d4e", ANCHORS["supervisor"] + history, SamplingParams(max_tokens=1), None,
+                  block_hasher=HASHER)
+    run(kv, runtime, req)
+    session = runtime.tag_of(req).session
+    assert session is not None and runtime.timing.told(session) is None
+    assert runtime.handle({"op": "answered", "request": "chatcmpl-4f2a", "tool_call": True}) == {"answered": True}
+    assert runtime.timing.told(session) is True and runtime.answers["tool_call"] == 1
+    # told once; an id nobody recognized, or a malformed one, changes nothing
+    assert runtime.handle({"op": "answered", "request": "chatcmpl-4f2a", "tool_call": False}) == {"answered": False}
+    assert runtime.handle({"op": "answered", "request": "chatcmpl-none", "tool_call": False}) == {"answered": False}
+    assert runtime.handle({"op": "answered", "request": "x" * 300, "tool_call": True})["status"] == 400
+    assert runtime.handle({"op": "answered", "request": 7, "tool_call": True})["status"] == 400
+    assert runtime.timing.told(session) is True and runtime.answers == {"tool_call": 1}
