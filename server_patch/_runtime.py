@@ -319,7 +319,6 @@ class AgentKVRuntime(RuntimeControl):
             self._full_at = now
         self._hazard = hazard
         sessions = self.timing.live().without(self.facts.ended.keys())
-        interposed = getattr(self.learner, "interposed_rate", None)
         return score_reuse(
             chain,
             self._gaps,
@@ -327,7 +326,7 @@ class AgentKVRuntime(RuntimeControl):
             now=now,
             session_start_rate=self.timing.session_rate(now),
             continuation={a: self.timing.continuation(a) for a in chain.agents},
-            interposed=interposed() if interposed is not None else None,
+            interposed=self.learner.interposed_rate(),
             predictability=self.learner.predictability(),
             gap_count=self.timing.gaps,
             config=config,
