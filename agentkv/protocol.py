@@ -32,6 +32,7 @@ __all__ = [
     "STATS_MAX_AGE",
     "STATS_PATH",
     "STATS_SCHEMA",
+    "VIEW_PATH",
     "XARG_AGENT",
     "XARG_PARENT",
     "XARG_SESSION",
@@ -71,6 +72,9 @@ STATS_MAX_AGE: Final = 0.25
 EVENTS_PATH: Final = "/agentkv/v1/events"
 STATE_PATH: Final = "/agentkv/v1/state"
 MERGE_PATH: Final = "/agentkv/v1/merge"
+# What a warm-up decision reads: the engine's queues, free blocks and anchor residency, without
+# building a stats document or rendering vLLM's whole /metrics exposition.
+VIEW_PATH: Final = "/agentkv/v1/view"
 
 MAX_ID_LENGTH: Final = 128
 _ID_PATTERN: Final = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")

@@ -108,6 +108,7 @@ class AgentKVRuntime(RuntimeControl):
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._answer_sessions: OrderedDict[str, str] = OrderedDict()  # answer key -> recognized session
+        self.queue_lengths: Callable[[], tuple[int, int]] | None = None  # set by the scheduler
         self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf

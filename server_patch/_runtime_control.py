@@ -39,6 +39,7 @@ from ._warmups import WarmupLedger
 __all__ = ["PEER_WEIGHT_FLOOR", "STATS_MAX_AGE", "RuntimeControl"]
 
 PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
+_MAX_VIEW_AGENTS = 64  # anchors a view reports: warm-up targets are agents active lately
 
 
 class RuntimeControl:
@@ -72,6 +73,7 @@ class RuntimeControl:
     _saved_version: tuple[int, int] | None
     _stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None
     _answer_sessions: OrderedDict[str, str]
+    queue_lengths: Callable[[], tuple[int, int]] | None  # the scheduler's (waiting, running), once installed
 
     # -- control channel -----------------------------------------------------------
 
@@ -92,6 +94,8 @@ class RuntimeControl:
                 return {"recognized": [list(r) for r in recent]}
             if op == "save":
                 return {"saved": self.save_if_changed()}
+            if op == "view":
+                return self.view()
             if op == "answered":
                 if "request" in request:
                     return self.answered_request(request["request"], request.get("tool_call"))
@@ -110,6 +114,19 @@ class RuntimeControl:
         self.timing.answered(session, tool_call)
         self.answers["tool_call" if tool_call else "no_tool_call"] += 1
         return {"answered": True}
+
+    def view(self) -> dict[str, Any]:
+        """What a warm-up decision reads (``GET /agentkv/v1/view``): the scheduler's waiting and
+        running requests, the free blocks, and ``[resident, learned]`` anchor blocks of the
+        ``_MAX_VIEW_AGENTS`` agents seen most recently. O(their anchor blocks): no stats document."""
+        waiting, running = self.queue_lengths() if self.queue_lengths is not None else (None, None)
+        recent = self.anchors.recent(_MAX_VIEW_AGENTS)
+        return {
+            "waiting": waiting,
+            "running": running,
+            "free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
+            "anchors": {agent: list(self.anchor_residency(agent)) for agent in recent},
+        }
 
     def answered_request(self, key: object, tool_call: object) -> dict[str, Any]:
         """An untagged request finished, named by its response id (``_answers.answer_keys``); told

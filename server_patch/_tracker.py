@@ -191,6 +191,16 @@ class AnchorLengths:
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)
 
+    def recent(self, count: int) -> list[str]:
+        """The ``count`` agents observed most recently that have a learned anchor, newest first."""
+        out: list[str] = []
+        for agent in reversed(self._last):
+            if self._length.get(agent, 0) > 0:
+                out.append(agent)
+                if len(out) == count:
+                    break
+        return out
+
     def anchor_hashes(self, agent: str) -> Sequence[object]:
         """The block hashes of ``agent``'s anchor (its latest session's first ``length`` blocks)."""
         last = self._last.get(agent)

@@ -4,7 +4,8 @@ A pure ASGI middleware that (1) turns the agentkv request headers into ``vllm_xa
 in the JSON body, so the tag reaches the EngineCore as ``sampling_params.extra_args``;
 (2) validates tags as docs/protocol.md says (lenient by default, 400 with
 ``AGENTKV_STRICT=1``); (3) serves ``GET /agentkv/v1/stats`` and
-``POST /agentkv/v1/events`` by asking the EngineCore over the control channel;
+``POST /agentkv/v1/events`` (and ``GET /agentkv/v1/view``, the warm-up coordinator's read) by
+asking the EngineCore over the control channel;
 (4) appends agentkv's counters to vLLM's Prometheus ``/metrics``; (5) tells the engine
 whether a request's answer was a tool call (_answers.py; an untagged one by its response id); (6) serves
 ``GET /agentkv/v1/state`` / ``POST /agentkv/v1/merge`` and, with ``AGENTKV_PEERS``, pulls
@@ -33,6 +34,7 @@ from agentkv.protocol import (
     MERGE_PATH,
     STATE_PATH,
     STATS_PATH,
+    VIEW_PATH,
     XARG_AGENT,
     MalformedCounter,
     parse_header_list,
@@ -106,6 +108,8 @@ class AgentKVMiddleware:
             await self._relay(send, {"op": "state"})
         elif path == RECOGNIZED_PATH and method == "GET":
             await self._relay(send, {"op": "recognized"})
+        elif path == VIEW_PATH and method == "GET":
+            await self._relay(send, {"op": "view"})
         elif path == MERGE_PATH and method == "POST":
             await self._relay_body(receive, send, "merge")
         elif path == EVENTS_PATH and method == "POST":

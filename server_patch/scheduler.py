@@ -38,6 +38,8 @@ class _AgentKVMixin:
             config = dataclasses.replace(config, enabled=False)
         self.agentkv = AgentKVRuntime(config)
         self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
+        # read under the runtime's lock, which every scheduler entry point holds too
+        self.agentkv.queue_lengths = lambda: (len(self.waiting), len(self.running))  # type: ignore[attr-defined]
         self._agentkv_control = ControlServer(control_endpoint(os.getppid()), self.agentkv.handle)
         self._agentkv_saver = (
             PeriodicSave(self.agentkv.save_if_changed, config.snapshot_interval)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,10 @@ __all__ = ["DEFAULT_BLOCK_SIZE", "Anchor", "AnchorBook", "Tokenize"]
 logger = logging.getLogger("agentkv.warmup")
 
 DEFAULT_BLOCK_SIZE: Final = 32
+# A known anchor is recomputed from newer sessions' calls at most this often (s): each recomputation
+# asks the server to tokenize whole calls, in the pause where the application's next call is sent,
+# and interleaved sessions would otherwise renew an agent's latest capture at nearly every call.
+ANCHOR_REFRESH: Final = 30.0
 _PREFIX_ROLES: Final = frozenset({"system", "developer"})
 
 
@@ -88,6 +93,7 @@ class _Agent:
     sessions: int = 0
     anchor: Anchor | None = None
     anchor_key: tuple[Any, ...] | None = None
+    anchor_at: float = -math.inf  # when ``anchor`` was computed
     divergence: Divergence | None = None
     divergences: int = 0
     logged: bool = False
@@ -286,13 +292,19 @@ class AnchorBook:
             key = (latest.id, None if ref is None else ref.id, block, tokenize is None)
             if record.anchor_key == key:
                 return record.anchor
+            now = self.clock()
+            known = record.anchor
+            if known is not None and record.anchor_key is not None and record.anchor_key[1] is not None \
+                    and ref is not None and record.anchor_key[2:] == key[2:] \
+                    and known.model == latest.structure.model and now - record.anchor_at < ANCHOR_REFRESH:
+                return known  # a cross-session anchor, newer sessions' calls: what they share moves rarely
         if tokenize is None:
             anchor = self._chat_anchor(agent, latest, block)
         else:
             anchor = self._token_anchor(agent, record, latest, ref, block, tokenize)
         with self._lock:
             if record.latest is latest and record.ref is ref:
-                record.anchor, record.anchor_key = anchor, key
+                record.anchor, record.anchor_key, record.anchor_at = anchor, key, now
         return anchor
 
     def _chat_anchor(self, agent: str, latest: _Capture, block: int) -> Anchor | None:

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_MAX_AGE, STATS_PATH
+from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_MAX_AGE, STATS_PATH, VIEW_PATH
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
 pytestmark = pytest.mark.server
@@ -60,7 +60,7 @@ def _merge_document(**overrides: object) -> dict:
     return {**document, **overrides}
 
 
-ROUTES = [("GET", STATS_PATH), ("GET", STATE_PATH), ("POST", EVENTS_PATH), ("POST", MERGE_PATH),
+ROUTES = [("GET", STATS_PATH), ("GET", STATE_PATH), ("GET", VIEW_PATH), ("POST", EVENTS_PATH), ("POST", MERGE_PATH),
           ("GET", "/agentkv/v1/unknown")]
 
 
@@ -210,3 +210,18 @@ def test_the_server_still_serves_after_all_of_it(client):
     response = client.post("/v1/completions", json=COMPLETION, headers={**AUTH, "X-AgentKV-Agent": "after"})
     assert response.status_code == 200
     assert client.get("/health").status_code == 200
+
+
+def test_the_view_tells_queues_room_and_anchor_residency(client):
+    """``GET /agentkv/v1/view``, what a warm-up decision reads: the scheduler's queues, the free
+    blocks and each recent agent's [resident, learned] anchor blocks, with no stats document built."""
+    anchor = list(range(500, 500 + 96))  # three 32-token blocks every call of the agent repeats
+    for session in ("view-1", "view-2"):  # a second session's call teaches the anchor's length
+        body = {**COMPLETION, "prompt": [*anchor, 7, 8, 9, int(session[-1])]}
+        response = client.post("/v1/completions", json=body,
+                               headers={**AUTH, "X-AgentKV-Agent": "viewer", "X-AgentKV-Session": session})
+        assert response.status_code == 200
+    view = client.get(VIEW_PATH, headers=AUTH).json()
+    assert (view["waiting"], view["running"]) == (0, 0)  # idle between calls
+    assert 0 < view["free_blocks"] <= 81
+    assert view["anchors"]["viewer"] == [3, 3]

@@ -14,6 +14,7 @@ import agentkv
 from agentkv.frameworks import TaggedRequest
 from agentkv.protocol import AgentTag
 from agentkv.warmup import AnchorBook, common_prefix
+from agentkv.warmup._anchors import ANCHOR_REFRESH
 
 from ._fake_vllm import BASE, FakeVLLM, render_tokens, tokenizer_of
 
@@ -268,3 +269,28 @@ def test_capture_through_the_openai_sdk(fake: FakeVLLM) -> None:
         assert anchor.chat is not None and anchor.chat["tool_choice"] == "none"
     finally:
         book.detach()
+
+
+def test_interleaved_sessions_re_tokenize_a_known_anchor_at_most_every_refresh(fake: FakeVLLM) -> None:
+    """Sessions calling the same agent in turn renew its latest capture at every call; the anchor
+    they share is recomputed (whole calls sent to ``/tokenize``) at most every ``ANCHOR_REFRESH``."""
+    now = [0.0]
+    book = AnchorBook(block_size=fake.block_size, clock=lambda: now[0])
+    tokenize = tokenizer_of(fake)
+    asked = []
+
+    def counting(payload: Any) -> Any:
+        asked.append(payload)
+        return tokenize(payload)
+
+    for turn in range(6):
+        for session in ("s1", "s2", "s3"):
+            book.capture("coder", session, chat(user=f"{session} turn {turn}"))
+            anchor = book.resolve("coder", counting)
+            now[0] += 1.0
+    assert anchor is not None and anchor.source == "cross-session"
+    first = len(asked)
+    assert first <= 4  # one structural and one cross-session computation, not one per call
+    now[0] += ANCHOR_REFRESH
+    book.capture("coder", "s1", chat(user="later"))
+    assert book.resolve("coder", counting).tokens == anchor.tokens and len(asked) > first  # recomputed, same

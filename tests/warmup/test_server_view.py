@@ -1,11 +1,14 @@
-"""What the coordinator reads from ``/metrics`` (Prometheus text) and how it is configured."""
+"""What the coordinator reads from ``/agentkv/v1/view`` or ``/metrics`` (Prometheus text) and how it is configured."""
 
 import dataclasses
 
+import httpx
 import pytest
 
+from agentkv.client import ErrorCounter
+from agentkv.protocol import VIEW_PATH
 from agentkv.warmup import WarmupConfig, WarmupCoordinator
-from agentkv.warmup._server import parse_server_view
+from agentkv.warmup._server import WarmupServer, parse_server_view
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -50,3 +53,47 @@ def test_keyword_settings_override_the_config():
     assert WarmupCoordinator("http://127.0.0.1:9").config == WarmupConfig()
     with pytest.raises(TypeError):
         WarmupCoordinator("http://127.0.0.1:9", no_such_setting=1)
+
+
+VIEW = {"waiting": 2, "running": 1, "free_blocks": 17, "anchors": {"planner": [4, 4], "coder": [1, 3]}}
+
+
+def _server(handler, clock=lambda: 0.0) -> tuple[WarmupServer, list[str]]:
+    asked: list[str] = []
+
+    def transport(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return handler(request)
+
+    client = httpx.Client(transport=httpx.MockTransport(transport), base_url="http://test")
+    return WarmupServer(client, ErrorCounter(), clock, stats_interval=2.0, metrics_interval=0.5, model=None), asked
+
+
+def test_an_agentkv_server_is_read_through_its_view_not_metrics():
+    server, asked = _server(lambda request: httpx.Response(200, json=VIEW))
+    view = server.view()
+    assert (view.waiting, view.running, view.free_blocks) == (2.0, 1.0, 17)
+    assert view.resident("planner") is True and view.resident("coder") is False and view.resident("x") is None
+    assert asked == [VIEW_PATH]
+    server.view()  # cached for metrics_interval
+    assert asked == [VIEW_PATH] and not server.errors.by_kind
+
+
+def test_a_server_without_the_view_is_read_through_metrics_from_then_on():
+    now = [0.0]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404) if request.url.path == VIEW_PATH else httpx.Response(200, text=METRICS)
+
+    server, asked = _server(handler, clock=lambda: now[0])
+    assert server.view().free_blocks == 17
+    now[0] = 1.0
+    server.view()
+    assert asked == [VIEW_PATH, "/metrics", "/metrics"] and not server.errors.by_kind
+
+
+def test_a_malformed_view_is_counted_and_reads_as_unknown():
+    server, _ = _server(lambda request: httpx.Response(200, json={"anchors": [1, 2]}))
+    view = server.view()
+    assert (view.waiting, view.free_blocks, view.anchors) == (None, None, {})
+    assert server.errors.by_kind == {f"GET {VIEW_PATH}": 1}
