@@ -41,9 +41,10 @@ class AnswerWatch:
     without a tool parser reports tool calls as plain text, so silence means nothing then).
     """
 
-    def __init__(self, session: str | None, offered_tools: bool) -> None:
-        """``session``: the tagged request's; None: an untagged one, told by ``response_id``."""
+    def __init__(self, session: str | None, offered_tools: bool, *, path: str = "") -> None:
+        """``session``: the tagged request's; None: an untagged one to ``path``, told by ``response_id``."""
         self.session = session
+        self._suffix = "-0" if path == "/v1/completions" else ""  # a completion's single prompt (answer_keys)
         self.offered_tools = offered_tools
         self.status: int | None = None
         self.seen = False
@@ -66,6 +67,13 @@ class AnswerWatch:
                 self._scanned += len(body)
         self.seen = _TOOL_CALLS.search(window) is not None
         self._tail = window[-_OVERLAP:]
+
+    def about(self) -> dict[str, str] | None:
+        """What names the answer to the engine: the tagged request's session, or the untagged
+        request its response id stands for (None: the id was not seen)."""
+        if self.session is not None:
+            return {"session": self.session}
+        return None if self.response_id is None else {"request": self.response_id + self._suffix}
 
     def verdict(self) -> bool | None:
         """True: a tool call; False: an answer without one to a request that offered tools;

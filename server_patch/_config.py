@@ -24,6 +24,11 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from exc
 
 
+def recognition_on(env: Mapping[str, str] = os.environ) -> bool:
+    """``AGENTKV_RECOGNIZE``: on unless ``0`` or ``off`` (read alike by the engine and the middleware)."""
+    return env.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """Server-side settings, read from AGENTKV_* environment variables (docs/server.md)."""
@@ -54,7 +59,7 @@ class RuntimeConfig:
             enabled=env.get("AGENTKV_ENABLED", "1") != "0",
             reuse=reuse,
             decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
-            recognize=env.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off"),
+            recognize=recognition_on(env),
             refresh_interval=_env_float(env, "AGENTKV_REFRESH_INTERVAL", defaults.refresh_interval),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
             snapshot_interval=_env_float(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),

@@ -42,6 +42,7 @@ from agentkv.protocol import (
 )
 
 from ._answers import AnswerWatch
+from ._config import recognition_on
 from ._control import ControlUnavailable, ask, ask_blocking, control_endpoint
 from ._guard import ApiKeyGuard, BodyError, parse_json
 from ._metrics import render_metrics
@@ -73,7 +74,7 @@ class AgentKVMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.strict = os.environ.get("AGENTKV_STRICT") == "1"
-        self.recognize = os.environ.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off")  # as the engine reads it
+        self.recognize = recognition_on()
         self.endpoint = control_endpoint(os.getpid())
         self.timeout = 5.0  # seconds to wait for the engine's answer before a 503
         self.malformed = MalformedCounter(logger)
@@ -128,7 +129,7 @@ class AgentKVMiddleware:
         body = await _read_body(receive)
         if not has_agentkv_headers and _XARG_PREFIX.encode() not in body:
             if self.recognize:  # the engine may recognize its session: tell it how this one was answered
-                send = self._watching(send, AnswerWatch(None, b'"tools"' in body), scope["path"])
+                send = self._watching(send, AnswerWatch(None, b'"tools"' in body, path=scope["path"]))
             await self.app(scope, _replay(body, receive), send)  # nothing of agentkv's: byte for byte
             return
         try:
@@ -166,15 +167,12 @@ class AgentKVMiddleware:
         tag = body_result.tag if body_result.tag is not None else header_result.tag
         if tag is not None and tag.session and not body_result.errors:
             tools = document.get("tools")
-            send = self._watching(send, AnswerWatch(tag.session, isinstance(tools, list) and bool(tools)),
-                                  scope["path"])
+            send = self._watching(send, AnswerWatch(tag.session, isinstance(tools, list) and bool(tools)))
         await self.app(scope, _replay(body, receive), send)
 
-    def _watching(self, send: Send, watch: AnswerWatch, path: str) -> Send:
+    def _watching(self, send: Send, watch: AnswerWatch) -> Send:
         """``send`` that also shows the response to ``watch`` and, once it is complete, tells
-        the engine in the background (never delaying or failing the user's response): of a
-        tagged request its session's answer, of an untagged one the answer to the request its
-        response id names (a completion's single prompt runs as that id plus ``-0``)."""
+        the engine in the background (never delaying or failing the user's response)."""
 
         async def watched(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -183,15 +181,8 @@ class AgentKVMiddleware:
                 watch.chunk(message.get("body", b""))
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                verdict = watch.verdict()
-                if watch.session is not None:
-                    about = {"session": watch.session}
-                elif watch.response_id is not None:
-                    suffix = "-0" if path == "/v1/completions" else ""
-                    about = {"request": watch.response_id + suffix}
-                else:
-                    verdict = None
-                if verdict is not None:
+                verdict, about = watch.verdict(), watch.about()
+                if verdict is not None and about is not None:
                     task = asyncio.get_running_loop().create_task(self._tell_answer(about, verdict))
                     self._telling.add(task)
                     task.add_done_callback(self._telling.discard)
