@@ -11,7 +11,7 @@ from agentkv.graph import LearnerConfig, ReuseConfig
 
 from ._free_queue import DEFAULT_DECAY
 
-__all__ = ["RuntimeConfig"]
+__all__ = ["RuntimeConfig", "recognition_on"]
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
