@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import Any
 
 from agentkv.protocol import AgentTag
 
@@ -31,9 +31,10 @@ class RequestTrace:
     the request id, the agent, session and parent the server took it for (tag or recognition),
     whether it was a warm-up, its prompt tokens, the tokens it found cached, the keys of its
     prompt's full blocks, the block size and the pool's blocks (``agentkv bench bound`` reads it).
-    Lines are written whole (line-buffered), so a reader never sees half a line. Invariant: the
-    file never grows past ``limit`` bytes by this trace; a write error stops the trace for good
-    (logged once) and never fails the request.
+    Each line is one unbuffered append (one ``write`` of the whole line), so that a reader, or
+    the other engines of a data-parallel server writing the same file, never see half a line.
+    Invariant: the file never grows past ``limit`` bytes by this trace; a write error stops the
+    trace for good (logged once) and never fails the request.
     """
 
     def __init__(self, path: str, *, limit: int = MAX_TRACE_BYTES, clock: Callable[[], float] = time.time) -> None:
@@ -44,7 +45,7 @@ class RequestTrace:
         self.dropped = 0
         self.error: str | None = None
         self._bytes = 0
-        self._file: IO[str] | None = None
+        self._file: Any = None  # a raw FileIO, opened at the first line
 
     def admitted(self, request_id: str, tag: AgentTag | None, tokens: int, hit_tokens: int,
                  block_hashes: Sequence[object], block_size: int, pool_blocks: int) -> None:
@@ -57,14 +58,15 @@ class RequestTrace:
             "warmup": tag is not None and tag.warmup,
             "tokens": tokens, "hit": hit_tokens, "block_size": block_size, "pool_blocks": pool_blocks,
             "blocks": [block_key(h) for h in block_hashes],
-        }, separators=(",", ":")) + "\n"
+        }, separators=(",", ":")).encode() + b"\n"
         if self._bytes + len(line) > self.limit:
             self.dropped += 1
             return
         try:
             if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8", buffering=1)
-            self._file.write(line)
+                self._file = open(self.path, "ab", buffering=0)  # kept open for the server's life
+            if self._file.write(line) != len(line):
+                raise OSError(f"short write ({len(line)} bytes)")
         except OSError as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             logger.warning("agentkv: the request trace %s stopped: %s", self.path, self.error)
