@@ -44,6 +44,12 @@ def _bench_soak(args: argparse.Namespace) -> None:
     soak.main(args)
 
 
+def _bench_bound(args: argparse.Namespace) -> None:
+    from agentkv.bench import bound
+
+    sys.exit(bound.run(args))
+
+
 def _serve(args: argparse.Namespace) -> None:
     from agentkv import serve
 
@@ -99,6 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     bench_serve = bench.add_parser("serve", help="the six-agent LangGraph app on vanilla vLLM vs agentkv serve")
     _add_bench_serve_arguments(bench_serve)
     bench_serve.set_defaults(run=_bench_serve)
+    from agentkv.bench import bound as bench_bound  # light: no vLLM
+
+    bench_bound_parser = bench.add_parser("bound", help="a server's request trace under LRU and Belady: how close "
+                                          "its eviction came to the best possible")
+    bench_bound.add_arguments(bench_bound_parser)
+    bench_bound_parser.set_defaults(run=_bench_bound)
     from agentkv.bench import soak as bench_soak  # light: httpx only
 
     bench_soak_parser = bench.add_parser("soak", help="mixed valid and hostile traffic against agentkv serve")

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"agentkv demo: {exc}") from None
     rates = ", ".join(f"{r:g}" for r in config.rates)
 
-    from agentkv.bench.serve import run_benchmark, write_reports  # langchain/langgraph: imported late
+    from agentkv.bench.serve import bound_lines, run_benchmark, write_reports  # langchain/langgraph: imported late
 
     print(
         "agentkv demo: a six-agent LangGraph team (supervisor, planner, researcher, coder, reviewer, writer),\n"
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(summary_table(result["rows"]))
     print()
-    for line in [*_verdict(result), *_learned(result.get("agentkv_stats") or {})]:
+    for line in [*_verdict(result), *bound_lines(result), *_learned(result.get("agentkv_stats") or {})]:
         if line:
             print(line)
     print(f"\n{time.monotonic() - t0:.0f} s; reports: {', '.join(str(p) for p in paths.values())}")

@@ -387,6 +387,12 @@ STATS_SCHEMA: Final[dict[str, Any]] = {
             "properties": {"sent": _COUNT, "useful": _COUNT, "wasted": _COUNT, "redundant": _COUNT,
                            "pending": _COUNT, "wasted_by": {"type": "object", "additionalProperties": _COUNT}},
         },
+        "trace": {
+            "type": ["object", "null"],
+            "required": ["path", "written", "dropped", "error"],
+            "properties": {"path": {"type": "string"}, "written": _COUNT, "dropped": _COUNT,
+                           "error": {"type": ["string", "null"]}},
+        },
         "transitions": {"type": "object"},
         "evictions": {
             "type": "object",

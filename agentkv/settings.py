@@ -118,6 +118,8 @@ SETTINGS: tuple[Setting, ...] = (
             "periodically and at shutdown", _text),
     Setting("snapshot-interval", "AGENTKV_SNAPSHOT_INTERVAL", "SECONDS", "30", "seconds between periodic "
             "saves; 0: only at shutdown", _number(float, 0)),
+    Setting("trace", "AGENTKV_TRACE", "PATH", "none", "append a JSON line per admitted request (block "
+            "hashes, hit tokens; no prompt text), for agentkv bench bound", _text),
     Setting("stats-top-agents", "AGENTKV_STATS_TOP_AGENTS", "N", "64", "agents listed in stats and /metrics "
             "(the rest summed as (other)); also the recent sessions listed", _number(int, 1)),
     Setting("max-peers", "AGENTKV_MAX_PEERS", "N", "32", "replicas whose learned counts are kept",

@@ -41,6 +41,7 @@ class RuntimeConfig:
     refresh_interval: float = 0.1  # least clock time between two evaluations of the next-use model (s)
     snapshot_path: str | None = None
     snapshot_interval: float = 30.0  # seconds between periodic saves (0: only at shutdown)
+    trace_path: str | None = None  # a JSON line per admitted request (server_patch/_trace.py)
     listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER
     tracked_agents: int = 1024  # per-agent counters kept; later agents are counted as OTHER
     max_peers: int = 32
@@ -63,6 +64,7 @@ class RuntimeConfig:
             refresh_interval=_env_float(env, "AGENTKV_REFRESH_INTERVAL", defaults.refresh_interval),
             snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
             snapshot_interval=_env_float(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),
+            trace_path=env.get("AGENTKV_TRACE") or None,
             listed_agents=int(_env_float(env, "AGENTKV_STATS_TOP_AGENTS", defaults.listed_agents)),
             max_peers=int(_env_float(env, "AGENTKV_MAX_PEERS", defaults.max_peers)),
             peer_weight=_env_float(env, "AGENTKV_PEER_WEIGHT", defaults.peer_weight),

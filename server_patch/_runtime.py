@@ -39,6 +39,7 @@ from ._free_queue import ScoredFreeBlockQueue
 from ._recognize import Recognizer
 from ._rows import OTHER, tracked
 from ._runtime_control import PEER_WEIGHT_FLOOR, STATS_MAX_AGE, RuntimeControl
+from ._trace import RequestTrace
 from ._tracker import AnchorLengths, BlockTracker
 from ._warmups import WarmupLedger
 
@@ -95,6 +96,7 @@ class AgentKVRuntime(RuntimeControl):
         self.tracker = BlockTracker()
         self.anchors = AnchorLengths()
         self.warmups = WarmupLedger(clock)
+        self.trace = RequestTrace(self.config.trace_path) if self.config.trace_path else None
         self.pool: BlockPool | None = None
         self.malformed = MalformedCounter(logger)
         self.lock = threading.RLock()
@@ -171,6 +173,9 @@ class AgentKVRuntime(RuntimeControl):
                 self._count_traffic(tag.agent, request.num_tokens, num_hits)
             if tag is not None:
                 self._note_warmup(request, tag, num_hits)
+            if self.trace is not None:
+                self.trace.admitted(request.request_id, tag, request.num_tokens, num_hits, request.block_hashes,
+                                    self.block_size, pool.num_gpu_blocks - 1)  # block 0 is vLLM's null block
 
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]

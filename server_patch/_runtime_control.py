@@ -33,6 +33,7 @@ from agentkv.protocol import (
 from ._config import RuntimeConfig
 from ._recognize import Recognizer
 from ._rows import agent_rows
+from ._trace import RequestTrace
 from ._tracker import AnchorLengths, BlockTracker
 from ._warmups import WarmupLedger
 
@@ -59,6 +60,7 @@ class RuntimeControl:
     tracker: BlockTracker
     anchors: AnchorLengths
     warmups: WarmupLedger
+    trace: RequestTrace | None
     recognizer: Recognizer | None
     malformed: MalformedCounter
     pool: BlockPool | None
@@ -208,6 +210,7 @@ class RuntimeControl:
             "agents": self._agent_stats(blocks, table),
             "kv_free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
             "warmups": self.warmups.stats(),
+            "trace": None if self.trace is None else self.trace.stats(),
             "answers": dict(self.answers),  # tagged answers read by the middleware: tool call or not
             "transitions": transitions,
             "evictions": {kind: self.tracker.evictions[kind] for kind in ("anchor", "history", "untagged", "retired")},

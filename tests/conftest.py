@@ -59,8 +59,11 @@ def vanilla_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="session")
 def agentkv_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """The same server started through ``agentkv serve``, shared by the session."""
-    yield from running_server(tiny_server_spec(tiny_model_dir, agentkv=True), tmp_path_factory.mktemp("agentkv"))
+    """The same server started through ``agentkv serve``, shared by the session; it writes a request
+    trace (``AGENTKV_TRACE``, its path in the stats document)."""
+    log_dir = tmp_path_factory.mktemp("agentkv")
+    spec = tiny_server_spec(tiny_model_dir, agentkv=True, env={"AGENTKV_TRACE": str(log_dir / "trace.jsonl")})
+    yield from running_server(spec, log_dir)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from agentkv.__main__ import main
         (["bench", "serve", "--tool-gap", "inf"], "argument --tool-gap: must be a finite number >= 0"),
         (["demo", "--sessions", "0"], "argument --sessions: must be an integer >= 1"),
         (["demo", "--rates", "0.1,0"], "argument --rates: must be a finite number > 0, got '0'"),
+        (["bench", "bound", "t.jsonl", "--blocks", "0"], "argument --blocks: must be an integer >= 1"),
         (["bench", "soak", "--concurrency", "0"], "argument --concurrency: must be an integer >= 1"),
         (["bench", "soak", "--cases", "valid_chat,nope"], "argument --cases: unknown cases ['nope']"),
         (["bench", "soak", "--minutes", "-1"], "argument --minutes: must be a finite number > 0"),

@@ -77,11 +77,24 @@ def comparison_report(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def bound_lines(result: dict[str, Any]) -> list[str]:
+    """How close agentkv's eviction came to Belady's on its own traffic (when the run traced it)."""
+    figures = result.get("bound")
+    if not figures:
+        return []
+    closed = figures["closed"]
+    gap = f": {closed:.0%} of the LRU -> Belady gap" if closed == closed else ""
+    return [f"agentkv's traffic replayed offline (agentkv bench bound {figures['trace']} --skip-sessions warmup-): "
+            "prompt tokens found "
+            f"cached {figures['measured']:.1%} on the server, {figures['lru']:.1%} under LRU, "
+            f"{figures['belady']:.1%} under Belady (evicting by the future){gap}"]
+
+
 def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = None) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "serve.json", "md": out / "serve.md"}
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    tables = [markdown_table(result["rows"]), "\n".join(comparison_report(result))]
+    tables = [markdown_table(result["rows"]), "\n".join([*comparison_report(result), *bound_lines(result)])]
     tables += [confusion_markdown(r) for r in result["rows"] if r.get("confusion")]
     paths["md"].write_text("\n\n".join(tables) + "\n")
     c = result["config"]

@@ -12,17 +12,20 @@ from typing import Any
 
 import httpx
 
+from agentkv.bench.bound import TraceError, bound, read_trace
 from agentkv.bench.serve_args import ServeConfig
 from agentkv.bench.serve_paired import Block, Swap, compare, core_pair, swap_cores
 
 from .app import load_example
 from .load import run_rate
 from .replicas import start_targets
-from .servers import start_servers
+from .servers import TRACE_NAME, start_servers
 from .stats import RateRun, pooled_row
 from .targets import Target, single_targets
 
 __all__ = ["add_anchor_hits", "block_sizes", "run_benchmark"]
+
+_WARMUP = "warmup"  # session ids of the warm-up sessions (not measured) start with it
 
 
 def block_sizes(sessions: int, block_sessions: int) -> list[int]:
@@ -59,7 +62,7 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, s
         if config.warmup_sessions:
             log(f"warm-up: {config.warmup_sessions} sessions on {_label(target)}")
             await run_rate(app, team, target, rate=max(config.rates), sessions=config.warmup_sessions,
-                           seed=config.seed, prefix="warmup", concurrency=2, example=example,
+                           seed=config.seed, prefix=_WARMUP, concurrency=2, example=example,
                            untagged=config.untagged)
     runs: dict[tuple[float, str, str], list[RateRun]] = {}
     blocks: dict[tuple[float, str, str], list[Block]] = {}
@@ -139,7 +142,19 @@ def run_benchmark(
         groups = [s.pid for s in started.values()]
         swap = (lambda: swap_cores(groups, cores)) if config.swap_cores and cores[0] != cores[1] else None
         targets = single_targets(config, {n: s.base_url for n, s in started.items()})
-        return asyncio.run(_run_async(config, targets, log, swap))
+        result = asyncio.run(_run_async(config, targets, log, swap))
+    if not config.warmup:  # the trace holds one arm's traffic only without the warm-up arm
+        result["bound"] = _bound(config.out / TRACE_NAME, log)
+    return result
+
+
+def _bound(path: Path, log: Any) -> dict[str, Any] | None:
+    """The agentkv server's traffic replayed under LRU and Belady (``agentkv bench bound``)."""
+    try:
+        return {"trace": str(path), **bound(read_trace(path), skip_sessions=f"{_WARMUP}-").to_json()}
+    except (OSError, TraceError) as exc:
+        log(f"no bound from the request trace: {exc}")
+        return None
 
 
 def _jsonable(value: Any) -> Any:

@@ -14,16 +14,19 @@ from agentkv.bench.serve_args import ServeConfig, build_model
 from agentkv.bench.serve_paired import core_pair, pin_env
 from agentkv.launcher import ServerProcess, ServerSpec
 
-__all__ = ["running", "server_specs", "start_servers"]
+__all__ = ["TRACE_NAME", "running", "server_specs", "start_servers"]
+
+TRACE_NAME = "agentkv-trace.jsonl"  # the single agentkv server's request trace, in the output folder
 
 
-def server_specs(config: ServeConfig, model_dir: Path) -> dict[str, ServerSpec]:
-    """Both single servers, each engine bound to a core of its own."""
+def server_specs(config: ServeConfig, model_dir: Path, *, trace: Path | None = None) -> dict[str, ServerSpec]:
+    """Both single servers, each engine bound to a core of its own; ``trace``: agentkv's AGENTKV_TRACE."""
     common = {"model_dir": model_dir, "block_size": config.block_size, "num_gpu_blocks": config.blocks,
               "max_model_len": config.max_model_len}
     vanilla_core, agentkv_core = core_pair()
+    traced = {} if trace is None else {"AGENTKV_TRACE": str(trace)}
     return {"vanilla": ServerSpec(**common, env=pin_env(vanilla_core)),
-            "agentkv": ServerSpec(**common, module="agentkv.serve", env=pin_env(agentkv_core))}
+            "agentkv": ServerSpec(**common, module="agentkv.serve", env=pin_env(agentkv_core) | traced)}
 
 
 @contextlib.contextmanager
@@ -32,9 +35,11 @@ def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterat
     model_dir = build_model(config)
     log_dir = log_dir or config.out
     log_dir.mkdir(parents=True, exist_ok=True)
+    trace = log_dir / TRACE_NAME
+    trace.unlink(missing_ok=True)  # this run's traffic only
     servers = {
         name: ServerProcess(spec, log_path=log_dir / f"{name}-server.log", base_env=SERVER_ENV)
-        for name, spec in server_specs(config, model_dir).items()
+        for name, spec in server_specs(config, model_dir, trace=trace).items()
     }
     with running(list(servers.values())):
         yield servers
