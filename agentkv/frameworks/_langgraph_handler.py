@@ -53,6 +53,7 @@ class _Episode:
     session: str
     base_depth: int
     initial_parent: str
+    persistent: bool = False  # a checkpointed thread: the session outlives this run
     records: list[_Record] = field(default_factory=list)
     by_ns: dict[str, _Record] = field(default_factory=dict)
     seq: int = 0
@@ -95,7 +96,8 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
         *,
         session: str | Callable[[Mapping[str, Any]], str] | None = None,
         on_episode_start: Callable[[str], None] | None = None,
-        on_episode_end: Callable[[str, bool], None] | None = None,
+        on_episode_end: Callable[[str, bool, bool], None] | None = None,
+        threads_persist: bool = False,
     ) -> None:
         super().__init__()
         self._topology = topology
@@ -103,6 +105,7 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
         self._session = session
         self._on_episode_start = on_episode_start
         self._on_episode_end = on_episode_end
+        self._threads_persist = threads_persist  # the graph keeps each thread's state between runs
         self._runs: BoundedDict[Any, _Run] = BoundedDict(_MAX_OPEN_RUNS)  # end callbacks may never come
         self._lock = threading.RLock()
         self._node_names = frozenset(topology.nodes)
@@ -110,18 +113,20 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
 
     # -- run bookkeeping -------------------------------------------------------------
 
-    def _session_for(self, metadata: Mapping[str, Any], run_id: Any) -> str:
+    def _session_for(self, metadata: Mapping[str, Any], run_id: Any) -> tuple[str, bool]:
+        """(the run's session, whether it outlives the run: a thread whose state the graph keeps)."""
+        thread = metadata.get("thread_id")
+        persistent = self._threads_persist and thread not in (None, "")
         explicit = metadata.get(_SESSION_KEY)
         if explicit:
-            return sanitize_id(explicit)
-        thread = metadata.get("thread_id")
+            return sanitize_id(explicit), persistent
         if thread not in (None, ""):
-            return sanitize_id(thread)
+            return sanitize_id(thread), persistent
         if callable(self._session):
-            return sanitize_id(self._session(metadata))
+            return sanitize_id(self._session(metadata)), False
         if self._session:
-            return sanitize_id(self._session)
-        return sanitize_id(str(run_id))
+            return sanitize_id(self._session), False
+        return sanitize_id(str(run_id)), False
 
     def _start(
         self,
@@ -169,11 +174,11 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
                 run.sets_tag = True
 
     def _start_root(self, run_id: Any, metadata: Mapping[str, Any], segments: list[str], inputs: Any) -> None:
-        session = self._session_for(metadata, run_id)
+        session, persistent = self._session_for(metadata, run_id)
         resume = isinstance(inputs, Command) or inputs is None
         initial = tracker().parent_for(session) if resume else ""
         tracker().start_session(session, keep_lineage=resume)
-        episode = _Episode(session, len(segments), initial or "")
+        episode = _Episode(session, len(segments), initial or "", persistent)
         self._runs[run_id] = _Run(episode, 0, None, None, False, is_root=True)
         count("langgraph_runs")
         if self._on_episode_start is not None:
@@ -267,10 +272,9 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
                     dispatch_ended(record.dispatch)
 
     def _end_root(self, run: _Run, error: BaseException | None) -> None:
-        session = run.episode.session
         interrupted = error is not None
         if self._on_episode_end is not None:
-            self._on_episode_end(session, interrupted)
+            self._on_episode_end(run.episode.session, interrupted, run.episode.persistent)
 
     # -- callback API ------------------------------------------------------------------
 

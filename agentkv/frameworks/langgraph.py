@@ -18,7 +18,7 @@ from typing import Any, Final
 from langchain_core.runnables.config import merge_configs
 from langgraph.graph.state import CompiledStateGraph
 
-from agentkv.client import ERRORS, install, learner_listener, on_dispatch, tracker
+from agentkv.client import ERRORS, count, install, learner_listener, on_dispatch, sanitize_id, tracker
 
 from ._events import EventSink, get_sink, session_event
 from ._langgraph_facts import AgentNames, Naming, facts_event, graph_facts, topology_of
@@ -55,8 +55,10 @@ class InstrumentedGraph(CompiledStateGraph):  # type: ignore[misc]
     the agentkv callback handler added to its config, sharing nodes, builder and checkpointer, as
     ``original.with_config(callbacks=[handler])`` would. So it composes with ``|``, embeds as a
     subgraph node, and ``with_config``/``copy`` return InstrumentedGraphs sharing the same
-    instrumentation (handler, sink, learner). Sessions begin and end with each root run (invoke,
-    stream, ...), whichever method started it.
+    instrumentation (handler, sink, learner). Sessions begin with each root run (invoke, stream,
+    ...), whichever method started it, and end with it, unless the graph keeps the thread's state
+    (a checkpointer and a ``thread_id``): then the thread's next message continues the session,
+    which ends with ``end_session`` (or when the server finds it idle beyond its learned gaps).
     """
 
     _agentkv: _Instrumentation
@@ -87,6 +89,7 @@ class InstrumentedGraph(CompiledStateGraph):  # type: ignore[misc]
             session=session,
             on_episode_start=self._episode_started,
             on_episode_end=self._episode_ended,
+            threads_persist=bool(getattr(graph, "checkpointer", None)),
         )
         own = _Instrumentation(
             original=graph,
@@ -137,9 +140,24 @@ class InstrumentedGraph(CompiledStateGraph):  # type: ignore[misc]
         if sink is not None:
             sink.post([self._agentkv.facts, session_event("session_start", session)])
 
-    def _episode_ended(self, session: str, cancelled: bool) -> None:
+    def _episode_ended(self, session: str, cancelled: bool, persistent: bool) -> None:
+        tracker().end_session(session)  # this run's lineage; a thread's next run starts its own
+        if persistent:  # a checkpointed thread goes on with its next message: not a session end
+            count("langgraph_thread_runs")
+            return
+        self._finish(session, cancelled)
+
+    def end_session(self, session: str) -> None:
+        """The conversation of ``session`` (a thread id) is over: tell the learner and the server.
+
+        A run on a thread whose state the graph keeps (a checkpointer) does not end its session,
+        since the thread's next message continues it; call this when the app knows the thread is
+        done (otherwise the server retires it once it stays idle beyond its learned gaps).
+        """
+        self._finish(sanitize_id(session), cancelled=False)
+
+    def _finish(self, session: str, cancelled: bool) -> None:
         own = self._agentkv
-        tracker().end_session(session)
         if own.learner_model is not None and hasattr(own.learner_model, "end_session"):
             try:
                 own.learner_model.end_session(session)
@@ -206,6 +224,7 @@ def instrument(
     ``learner``: a ``GraphFacts`` (gets the graph facts and session ends), a ``TransitionLearner``
     (observes every dispatch), or a ``Predictor``/pair holding both. ``events_url``: the vLLM server
     (base URL or full events URL), or a list of them (every replica behind a router); graph facts
-    and ``session_start``/``session_end``/``cancel`` are POSTed there in the background.
+    and ``session_start``/``session_end``/``cancel`` are POSTed there in the background (no end
+    for a run on a checkpointed thread: see ``InstrumentedGraph.end_session``).
     """
     return InstrumentedGraph(graph, session=session, agent_names=agent_names, learner=learner, events_url=events_url)

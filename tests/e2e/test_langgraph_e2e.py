@@ -14,6 +14,7 @@ pytest.importorskip("langgraph")
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import END, START, StateGraph
 
 import agentkv
@@ -38,7 +39,7 @@ def run_tests(path: str) -> str:
     return "ok"
 
 
-def build(base_url: str, run: str, seen: dict[str, list[int]]) -> Any:
+def build(base_url: str, run: str, seen: dict[str, list[int]], checkpointer: Any = None) -> Any:
     llm = ChatOpenAI(base_url=base_url + "/v1", api_key="x", model="tiny", max_tokens=1, temperature=0)
     # The server has no tool-call parser: tool_choice="none" still renders the tools into the prompt.
     coder_llm = llm.bind_tools([run_tests], tool_choice="none")
@@ -62,7 +63,8 @@ def build(base_url: str, run: str, seen: dict[str, list[int]]) -> Any:
     # Deterministic routing in Python (the tiny model's output is noise): one revision, then done.
     builder.add_conditional_edges("reviewer", lambda s: "coder" if s["rounds"] < 2 else END, ["coder", END])
     names = {node: f"{node}-{run}" for node in ("planner", "coder", "reviewer")}
-    return agentkv.instrument(builder.compile(), agent_names=names, events_url=base_url), names
+    return agentkv.instrument(builder.compile(checkpointer=checkpointer), agent_names=names,
+                              events_url=base_url), names
 
 
 def test_langgraph_app_is_learned_by_the_server(own_agentkv_server) -> None:
@@ -106,3 +108,17 @@ def test_langgraph_app_is_learned_by_the_server(own_agentkv_server) -> None:
             assert anchor is not None and anchor.source == "cross-session"
             assert anchor.blocks == after["agents"][agent]["anchor_length_blocks"] >= 8, agent
     assert book.divergences() == {}
+
+
+def test_a_checkpointed_thread_stays_live_until_the_app_ends_it(own_agentkv_server) -> None:
+    """A chat: each user message is one run on the thread, and the graph keeps the thread's state.
+    The run's end is not the conversation's (the server would evict its history first)."""
+    base = own_agentkv_server.base_url
+    run = uuid.uuid4().hex[:8]
+    app, _ = build(base, run, {}, checkpointer=InMemorySaver())
+    thread = f"chat-{run}"
+    app.invoke({"task": "feature", "rounds": 0}, {"configurable": {"thread_id": thread}})
+    assert app.sink.flush(10)  # everything the run posted (facts, session_start) has reached the server
+    assert thread in fetch_stats(base)["sessions"]["current"]  # live: not ended with the run
+    app.end_session(thread)
+    wait_for(lambda: thread not in fetch_stats(base)["sessions"]["current"], "the chat's end")

@@ -44,13 +44,17 @@ def test_graph_and_session_events_are_delivered():
         with pytest.raises(RuntimeError, match="node failed"):
             instrument(_failing_app(), events_url=events.url).invoke({"notes": []}, cfg(thread + "-x"))
         assert app.sink.flush(5)
+        kinds = [(e["type"], e.get("session")) for e in events.events()]
+        # a checkpointed thread outlives its run (the next message continues it): no end yet
+        assert ("session_start", thread) in kinds and ("session_end", thread) not in kinds
+        app.end_session(thread)  # the app says the conversation is over
+        assert app.sink.flush(5)
     assert all(body["path"] == EVENTS_PATH for body in events.bodies)
     for body in events.bodies:
         validate_events(body["json"])  # every batch matches the protocol schema
     kinds = [(e["type"], e.get("session")) for e in events.events()]
-    assert ("session_start", thread) in kinds and ("session_end", thread) in kinds
     assert kinds.index(("session_start", thread)) < kinds.index(("session_end", thread))
-    assert ("cancel", thread + "-x") in kinds  # a run that raised is cancelled
+    assert ("cancel", thread + "-x") in kinds  # a run that raised, with no thread state kept, is cancelled
     graph = next(e for e in events.events() if e["type"] == "graph" and "Planner" in e["nodes"])
     assert graph == {**app.facts}
     assert graph["entry"] == ["Planner"] and ["Planner", "left"] in graph["edges"]
@@ -81,7 +85,7 @@ def test_server_down_never_affects_the_app(caplog):
         assert app.sink.flush(10)
     assert len(server.requests) == 18  # the user's calls all went through, tagged
     assert {k: (a, p, st) for k, (a, s, p, st) in server.tags_by_text().items()} == FAN_OUT_EXPECTED
-    assert app.sink.failed == 1 + 3 * 3 and app.sink.sent == 0  # facts; per run facts+start, end
+    assert app.sink.failed == 1 + 3 * 2 and app.sink.sent == 0  # facts; per run facts+start (threads go on)
     # Another test's sink may still be failing in the background; count only this sink's warnings.
     failures = [r for r in caplog.records if f"events POST to {app.sink.urls[0]}" in r.getMessage()]
     assert len(failures) == 1  # logged once, then only counted
@@ -122,6 +126,7 @@ def test_every_endpoint_gets_every_event_and_one_down_endpoint_does_not_stop_the
         app = instrument(fan_out_app(server), events_url=[first.url, down, second.url + "/v1", first.url])
         assert app.sink.urls == (events_endpoint(first.url), events_endpoint(down), events_endpoint(second.url))
         app.invoke({"notes": []}, cfg(thread))
+        app.end_session(thread)
         assert app.sink.flush(10)
     for replica in (first, second):
         kinds = [(e["type"], e.get("session")) for e in replica.events()]
@@ -150,7 +155,8 @@ def test_a_silent_server_costs_counted_events_and_a_bounded_close():
         sink = EventSink(silent.url, timeout=30.0)  # a client timeout longer than any wait below
         app = InstrumentedGraph(fan_out_app(server), sink=sink)  # posts the graph facts: 1 event
         _wait_until(lambda: silent.accepted == 1)  # the worker is now stuck on that POST
-        app.invoke({"notes": []}, cfg(thread))  # facts + session_start, then session_end: 3 more
+        app.invoke({"notes": []}, cfg(thread))  # facts + session_start: 2 more
+        app.end_session(thread)  # session_end: 1 more
         assert len(server.requests) == 6  # the app itself is unaffected
         assert (sink.sent, sink.failed, sink.dropped, sink.pending) == (0, 0, 0, 4)
         started = time.perf_counter()

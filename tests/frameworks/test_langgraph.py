@@ -468,6 +468,8 @@ def test_learner_gets_facts_and_dispatches(server, thread):
     app.invoke({"notes": []}, cfg(thread))
     assert learner.learner.dispatches == 6
     assert learner.next_distribution("Planner").keys() == {"left", "right"}
+    assert not learner.facts.is_ended(thread)  # a checkpointed thread goes on
+    app.end_session(thread)
     assert learner.facts.is_ended(thread)
     app.close()
     app.invoke({"notes": []}, cfg(thread + "2"))
@@ -479,6 +481,34 @@ def test_top_level_instrument_is_the_langgraph_one(server, thread):
     app.invoke({"notes": []}, cfg(thread))
     _check_fan_out(server, thread)
     assert stats()["counts"]["langgraph_runs"] >= 1
+
+
+def test_a_run_ends_its_session_unless_the_graph_keeps_the_thread(server, thread):
+    """A chat's next message continues a checkpointed thread: its runs do not end the session
+    (an end would make the server evict the conversation first); a run without kept thread
+    state, or without a thread, is the whole session."""
+    from agentkv.frameworks import on_session_end  # local episode ends: every run
+    from agentkv.graph import GraphFacts
+
+    llm = server.chat_openai()
+    g = StateGraph(Notes)
+    g.add_node("only", lambda s: {"notes": [llm.invoke("x").content]})
+    g.add_edge(START, "only")
+    runs: list[str] = []
+    unsubscribe = on_session_end(runs.append)
+    try:
+        kept, facts = GraphFacts(), GraphFacts()
+        chat = instrument(g.compile(checkpointer=InMemorySaver()), learner=kept)
+        chat.invoke({"notes": []}, cfg(thread))
+        chat.invoke({"notes": []}, cfg(thread))
+        assert not kept.is_ended(thread) and runs == [thread, thread]
+        chat.end_session(thread)
+        assert kept.is_ended(thread)
+        one_shot = instrument(g.compile(), learner=facts)
+        one_shot.invoke({"notes": []}, cfg(thread + "-once"))
+        assert facts.is_ended(thread + "-once")
+    finally:
+        unsubscribe()
 
 
 def test_a_new_invoke_on_the_same_thread_starts_a_new_lineage(server, thread):
