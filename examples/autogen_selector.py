@@ -139,7 +139,8 @@ def model_client(base_url: str, model: str, max_tokens: int) -> OpenAIChatComple
 
 def build_team(base_url: str, model: str = "tiny", *, turns: int = 6, max_tokens: int = 24, seed: int = 0,
                session: Any = None, events_url: str | None = None) -> tuple[SelectorGroupChat, Selector]:
-    """The instrumented team (and its selector). ``session``: a session id, or a function giving one per run."""
+    """The instrumented team (and its selector). ``session``: a session id, or a function giving one per
+    conversation (a conversation ends with ``team.reset()``)."""
     client = model_client(base_url, model, max_tokens)
     participants = [
         AssistantAgent(name, model_client=client, description=role, system_message=system)

@@ -7,7 +7,8 @@
 Seams (autogen-agentchat 0.7.5): each participant's ``_model_client`` and the team's (the selector's)
 are replaced, before the first run, by a :class:`TaggedModelClient`; each participant's
 ``on_messages_stream`` is wrapped to mark a speaker turn (one dispatch per turn, parent = previous
-speaker); the team's ``run_stream`` is wrapped to open and close the session. ``instrument`` mutates
+speaker); the team's ``run_stream`` is wrapped to open a session (or go on with the team's
+conversation) and ``reset`` to end it. ``instrument`` mutates
 the team and returns it, so it stays a real team. The selector's own model calls are tagged
 ``agent="selector"`` and are not dispatches (see docs/frameworks.md, "AutoGen").
 """
@@ -204,6 +205,7 @@ class TeamInstrumentation:
         self.app_id = f"autogen-{id(team):x}"
         self._session_spec = session
         self.session: str | None = None  # the running session
+        self.conversation: str | None = None  # the session of the team's conversation, until reset
         self._tags: dict[str, AgentTag] = {}
         self._lock = threading.Lock()
         self.speakers: list[tuple[str, str | None, int | None]] = []  # (agent, parent, step) of the last run
@@ -219,24 +221,35 @@ class TeamInstrumentation:
         return uuid.uuid4().hex
 
     def begin_run(self) -> str:
-        session = self._new_session()
+        """A run starts: the team's conversation goes on (its session, its lineage) unless it was
+        reset, which starts a new session."""
         with self._lock:
-            self.session = session
+            going_on = self.conversation is not None
+            session = self.conversation if going_on else self._new_session()
+            self.session = self.conversation = session
             self._tags.clear()
-            self.speakers = []
-        tracker().start_session(session)
+            if not going_on:
+                self.speakers = []
+        tracker().start_session(session, keep_lineage=going_on)
         count("autogen_runs")
         if self.sink is not None:
             self.sink.post([self.facts, session_event("session_start", session)])
         return session
 
-    def end_run(self, session: str, cancelled: bool) -> None:
+    def end_run(self, session: str) -> None:
+        """A run ended (done or cancelled): the team keeps its messages, and a next run continues
+        them, so the session goes on until ``reset`` (or the server finds it idle)."""
         with self._lock:
             if self.session == session:
                 self.session = None
-        tracker().end_session(session)
-        if self.sink is not None:
-            self.sink.post([session_event("cancel" if cancelled else "session_end", session)])
+        tracker().end_session(session)  # this run's lineage listeners
+
+    def end_conversation(self) -> None:
+        """The team was reset: its conversation, and so its session, is over."""
+        with self._lock:
+            session, self.conversation = self.conversation, None
+        if session is not None and self.sink is not None:
+            self.sink.post([session_event("session_end", session)])
 
     # -- tags ------------------------------------------------------------------------
 
@@ -327,6 +340,19 @@ def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
 
     run_stream.__agentkv_original__ = original  # type: ignore[attr-defined]
     team.run_stream = run_stream
+    original_reset = team.reset
+
+    async def reset(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await original_reset(*args, **kwargs)
+        finally:
+            try:
+                state.end_conversation()
+            except Exception as exc:
+                ERRORS.record("autogen session end", exc)
+
+    reset.__agentkv_original__ = original_reset  # type: ignore[attr-defined]
+    team.reset = reset
 
 
 async def _session_stream(
@@ -337,17 +363,15 @@ async def _session_stream(
         session = state.begin_run()
     except Exception as exc:
         ERRORS.record("autogen session start", exc)
-    finished = False
     try:
         async for item in original(*args, **kwargs):
             yield item
-        finished = True
     finally:
         if session is not None:
             try:
-                state.end_run(session, cancelled=not finished)
+                state.end_run(session)
             except Exception as exc:
-                ERRORS.record("autogen session end", exc)
+                ERRORS.record("autogen run end", exc)
 
 
 def instrument(
@@ -360,10 +384,11 @@ def instrument(
     """Tag every model call of an AutoGen group chat (``SelectorGroupChat``, also round robin/swarm).
 
     Call it before the team's first run (AutoGen hands the selector's client to its manager then).
-    ``session``: a fixed session id or a function returning one per run; default a new id per
-    run. ``events_url``: the vLLM server (base URL or full events URL), or a list of them (every replica
-    behind a router), for graph facts and
-    ``session_start``/``session_end``/``cancel`` events. Returns the same team, instrumented;
+    A session is the team's conversation: a run continues it (AutoGen keeps the messages), and
+    ``team.reset()`` ends it. ``session``: a fixed session id or a function returning one per
+    conversation; default a new id per conversation. ``events_url``: the vLLM server (base URL or
+    full events URL), or a list of them (every replica behind a router), for graph facts and
+    ``session_start``/``session_end`` events. Returns the same team, instrumented;
     calling it twice is a no-op. Participants that are teams themselves are not descended into.
     """
     install()

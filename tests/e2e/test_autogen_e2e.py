@@ -60,6 +60,7 @@ def test_autogen_selector_team_is_learned_by_the_server(own_agentkv_server) -> N
     before = fetch_stats(base)
     result = asyncio.run(team.run(task="Write a function that adds two numbers."))
     assert [m.source for m in result.messages] == ["user", *names]
+    asyncio.run(team.reset())  # the conversation is over (a run alone is not: the team keeps its messages)
     wait_for(lambda: fetch_stats(base)["sessions"]["ended"] > before["sessions"]["ended"], "the session end")
     after = fetch_stats(base)
 

@@ -183,6 +183,30 @@ def test_run_stream_new_session_per_run_and_lineage_reset(server):
     ]
 
 
+def test_a_run_without_reset_continues_the_conversation_and_its_session(server):
+    """AutoGen keeps the team's messages between runs: the next run's prompts extend the last
+    one's, so it is the same session (and lineage) until ``reset``; ending it at each run would
+    make the server evict the conversation first."""
+    team = instrument(make_team(server, messages=2))
+    server.script("selector", "planner", "critic")
+
+    async def follow_up() -> None:
+        await team.run(task="first")
+        await team.run(task="and then")
+
+    asyncio.run(follow_up())
+    session = server.tags()[0][1]
+    assert server.tags() == [
+        ("selector", session, "", 0),
+        ("planner", session, "", 1),
+        ("selector", session, "planner", 1),  # the second run's first pick closes the planner's turn
+        ("critic", session, "planner", 2),
+    ]
+    assert instrumentation(team).conversation == session
+    asyncio.run(team.reset())
+    assert instrumentation(team).conversation is None
+
+
 def test_instrument_is_idempotent_and_keeps_the_team_usable(server):
     team = make_team(server)
     assert instrument(team) is team and instrument(team) is team
@@ -239,10 +263,14 @@ def test_events_and_a_down_server(server):
         server.script("selector", "planner")
         asyncio.run(team.run(task="go"))
         assert instrumentation(team).sink.flush(5)
+        kinds = [(e["type"], e.get("session")) for e in events.events()]
+        assert ("session_start", "ev-1") in kinds and ("session_end", "ev-1") not in kinds  # the team goes on
+        asyncio.run(team.reset())
+        assert instrumentation(team).sink.flush(5)
     for body in events.bodies:
         validate_events(body["json"])
     kinds = [(e["type"], e.get("session")) for e in events.events()]
-    assert ("session_start", "ev-1") in kinds and ("session_end", "ev-1") in kinds
+    assert kinds.index(("session_start", "ev-1")) < kinds.index(("session_end", "ev-1"))
     assert any(e["type"] == "graph" and e["nodes"] == ["coder", "critic", "planner"] for e in events.events())
 
     server.requests.clear()
