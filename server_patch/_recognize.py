@@ -68,12 +68,15 @@ class RecognizeConfig:
     halve_every: int = 20_000  # requests between halvings of the tree's counts (recency)
     recent: int = 2048  # recognitions kept for inspection (``op: recognized``)
     pending_tagged: int = 256  # tagged requests kept until an untagged one needs the tree
+    max_quoted_chunks: int = 65_536  # output chunks indexed to find the session an answer is quoted in
+    min_quoted_chunks: int = 2  # chunks of one answer a prompt must quote to join its session
 
     def __post_init__(self) -> None:
         if self.chunk < 2 or self.chunk & (self.chunk - 1):
             raise ValueError("chunk must be a power of two >= 2")
         if min(self.max_nodes, self.max_depth, self.max_sessions, self.min_count, self.resplit_every,
-               self.halve_every, self.recent, self.pending_tagged) < 1 or not 0.0 <= self.min_share < 1.0:
+               self.halve_every, self.recent, self.pending_tagged, self.max_quoted_chunks,
+               self.min_quoted_chunks) < 1 or not 0.0 <= self.min_share < 1.0:
             raise ValueError("caps and counts must be >= 1 and 0 <= min_share < 1")
 
 
@@ -113,21 +116,27 @@ class _Session:
         self.head: int | None = None  # chunk-chain hash of its latest request's history
 
 
-def chunk_chain(tokens: Sequence[int], start: int, limit: int, chunk: int) -> list[int]:
-    """Chained hashes of the closed content-defined chunks of ``tokens[start:start+limit]``.
+def _chunks(tokens: Sequence[int], start: int, limit: int, chunk: int) -> list[bytes]:
+    """The closed content-defined chunks of ``tokens[start:start+limit]``, as bytes.
 
     A boundary precedes every token whose mixed id is 0 mod ``chunk``; the first chunk (from
-    ``start`` to the first boundary) and the last (open) one are left out, so any start inside
-    the first chunk and any continuation after the end give the same chain. Hashes are only
-    comparable within one process (bytes hashing is salted per process).
+    ``start`` to the first boundary) and the last (open) one are left out, so the chunks depend
+    on the tokens, not on where the window starts or ends.
     """
     window = np.asarray(tokens[start : start + limit], dtype=np.int64)
     cuts = np.flatnonzero((((window * _MIX) >> 7) & (chunk - 1)) == 0).tolist()
     data = window.tobytes()
+    return [data[8 * begin : 8 * end] for begin, end in itertools.pairwise(cuts)]
+
+
+def chunk_chain(tokens: Sequence[int], start: int, limit: int, chunk: int) -> list[int]:
+    """Chained hashes of the closed content-defined chunks of ``tokens[start:start+limit]``: any
+    start inside the first chunk and any continuation after the end give the same chain. Hashes
+    are only comparable within one process (bytes hashing is salted per process)."""
     out: list[int] = []
     chain = 0
-    for begin, end in itertools.pairwise(cuts):
-        chain = hash((chain, data[8 * begin : 8 * end]))
+    for data in _chunks(tokens, start, limit, chunk):
+        chain = hash((chain, data))
         out.append(chain)
     return out
 
@@ -167,6 +176,9 @@ class Recognizer:
         self.recognized = 0
         self.unrecognized = 0
         self.followed = 0  # requests that continued an earlier request's session
+        self.quoting = 0  # ... found by an earlier answer they quote
+        # chunk of an answer -> (its session, its agent): where a prompt that quotes it belongs
+        self.quoted: OrderedDict[int, tuple[str, str]] = OrderedDict()
 
     # -- the prefix tree -------------------------------------------------------------------
 
@@ -317,7 +329,9 @@ class Recognizer:
         else:
             start = self._history_start(path, identity, block_size)
             chain = chunk_chain(tokens, start, self.config.max_history_tokens, self.config.chunk)
-            session, state = self._continued(chain)
+            session, state, quoted = self._continued(chain, tokens, start)
+            if quoted is not None:
+                state.agent = quoted  # the agent whose answer this request was handed
             if state.head is not None and self.heads.get(state.head) == session:
                 del self.heads[state.head]
             state.head = chain[-1] if chain else None
@@ -343,22 +357,46 @@ class Recognizer:
             self.sessions.move_to_end(session)
         return state
 
-    def _continued(self, chain: list[int]) -> tuple[str, _Session]:
-        """The session whose latest request's history this one starts with (the longest), or a new one."""
+    def _continued(self, chain: list[int], tokens: Sequence[int], start: int) -> tuple[str, _Session, str | None]:
+        """The session whose latest request's history this one starts with (the longest), else the
+        session of an earlier answer this one quotes (and that answer's agent), or a new one."""
         for key in reversed(chain):
             session = self.heads.get(key)
             if session is not None and session in self.sessions:
                 self.followed += 1
-                return session, self._session(session)
+                return session, self._session(session), None
+        if self.quoted:
+            votes: dict[tuple[str, str], int] = {}
+            for data in _chunks(tokens, start, self.config.max_history_tokens, self.config.chunk):
+                found = self.quoted.get(hash(data))
+                if found is not None and found[0] in self.sessions:
+                    votes[found] = votes.get(found, 0) + 1
+            if votes:
+                (session, agent), count = max(votes.items(), key=lambda item: item[1])
+                if count >= self.config.min_quoted_chunks:
+                    self.quoting += 1
+                    return session, self._session(session), agent
         self._session_ids += 1
         session = f"fs:{self._session_ids:x}"
-        return session, self._session(session)
+        return session, self._session(session), None
+
+    def observe_answer(self, session: str, agent: str, output_tokens: Sequence[int]) -> None:
+        """A recognized request of ``agent`` in ``session`` answered ``output_tokens``: a later
+        prompt that quotes them (a hand-off: the next agent is given this answer) joins the session."""
+        quoted, cap = self.quoted, self.config.max_quoted_chunks
+        for data in _chunks(output_tokens, 0, self.config.max_history_tokens, self.config.chunk):
+            key = hash(data)
+            quoted[key] = (session, agent)
+            quoted.move_to_end(key)
+        while len(quoted) > cap:
+            quoted.popitem(last=False)
 
     def stats(self) -> dict[str, Any]:
         return {
             "recognized_requests": self.recognized,
             "unrecognized_requests": self.unrecognized,
             "followed_requests": self.followed,
+            "quoting_requests": self.quoting,
             "preamble_blocks": self.preamble_blocks,
             "tree_nodes": len(self.nodes),
             "sessions": len(self.sessions),

@@ -110,6 +110,7 @@ class AgentKVRuntime(RuntimeControl):
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._answer_sessions: OrderedDict[str, str] = OrderedDict()  # answer key -> recognized session
+        self._quoting: OrderedDict[str, AgentTag] = OrderedDict()  # recognized requests not yet freed
         self.queue_lengths: Callable[[], tuple[int, int]] | None = None  # set by the scheduler
         self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int, int] | None = None
@@ -177,6 +178,16 @@ class AgentKVRuntime(RuntimeControl):
                 self.trace.admitted(request.request_id, tag, request.num_tokens, num_hits, request.block_hashes,
                                     self.block_size, pool.num_gpu_blocks - 1)  # block 0 is vLLM's null block
 
+        free = manager.free
+
+        @functools.wraps(free)
+        def free_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
+            tag = self._quoting.pop(request.request_id, None)
+            if tag is not None and self.recognizer is not None and request.num_output_tokens:
+                self.recognizer.observe_answer(tag.session, tag.agent, request.output_token_ids)
+            return free(request, *args, **kwargs)
+
+        manager.free = free_observed  # type: ignore[method-assign]
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
         manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]
@@ -207,6 +218,9 @@ class AgentKVRuntime(RuntimeControl):
                 self._answer_sessions[key] = tag.session
             while len(self._answer_sessions) > _MAX_ANSWER_KEYS:
                 self._answer_sessions.popitem(last=False)
+            self._quoting[request_id] = tag  # its answer is read when it is freed
+            while len(self._quoting) > _MAX_ANSWER_KEYS:
+                self._quoting.popitem(last=False)
         return tag
 
     def _recognized(self, request: Request, tag: AgentTag | None) -> AgentTag | None:

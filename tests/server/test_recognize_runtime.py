@@ -125,3 +125,34 @@ def test_an_untagged_answer_is_told_to_its_recognized_session():
     assert runtime.handle({"op": "answered", "request": "x" * 300, "tool_call": True})["status"] == 400
     assert runtime.handle({"op": "answered", "request": 7, "tool_call": True})["status"] == 400
     assert runtime.timing.told(session) is True and runtime.answers == {"tool_call": 1}
+
+
+def _run_answering(kv, runtime: AgentKVRuntime, req: Request, answer: list[int]) -> None:
+    """``run``, with the answer the model generated (read by the runtime when the request is freed)."""
+    runtime.on_add_request(req)
+    runtime.refresh()
+    computed, hit, _ = kv.get_computed_blocks(req)
+    kv.record_prefix_cache_stats(req, hit)
+    assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
+    req.num_computed_tokens = req.num_tokens
+    req.append_output_token_ids(answer)
+    kv.free(req)
+
+
+def test_a_request_handed_an_answer_joins_the_answers_session():
+    """A hand-off without a shared history: the next agent is given the previous one's answer
+    after its own anchor and notes. Recognition finds the session, and the parent, by the answer."""
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    sessions(runtime, kv, 4)  # the anchors are learned
+    supervisor = untagged(ANCHORS["supervisor"] + tokens("task-handoff", 50))
+    answer = tokens("the supervisor's answer", 80)
+    _run_answering(kv, runtime, supervisor, answer)
+    coder = untagged(ANCHORS["coder"] + tokens("the coder's own notes", 30) + answer)
+    run(kv, runtime, coder)
+    stranger = untagged(ANCHORS["coder"] + tokens("another task", 30) + answer[:6])  # too little of it
+    run(kv, runtime, stranger)
+    handed, given, other = runtime.tag_of(supervisor), runtime.tag_of(coder), runtime.tag_of(stranger)
+    assert given.session == handed.session and given.parent == handed.agent != given.agent
+    assert other.session not in (handed.session, None) and other.parent == ""
+    assert runtime.stats()["recognition"]["quoting_requests"] == 1

@@ -43,3 +43,27 @@ def test_untagged_requests_show_recognized_agents_in_stats(own_agentkv_server):
     assert len(found) == 2 and all(a.startswith("fp:") for a in found)
     assert all(stats["agents"][a]["queries"] > 0 for a in found)
     assert len({session for _, _, session, _ in recent[-2:]}) == 1  # the coder continued the planner's session
+
+
+def test_an_untagged_request_handed_an_answer_joins_its_session(own_agentkv_server):
+    """No metadata at all, and no shared history: the coder is given the planner's answer (as
+    multi-agent apps hand work over). The server follows the session by the quoted answer."""
+    anchors = {a: _tokens("team", BLOCK) + _tokens(f"anchor-{a}", 4 * BLOCK) for a in AGENTS}
+    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        for s in range(4):  # enough sessions for recognition to know both anchors
+            history = _tokens(f"quote-task-{s}", 3 * BLOCK)
+            for agent in AGENTS:
+                body = {"model": "tiny", "prompt": anchors[agent] + history, "max_tokens": 1}
+                client.post("/v1/completions", json=body).raise_for_status()
+                history = history + _tokens(f"quote-out-{s}-{agent}", BLOCK)
+        body = {"model": "tiny", "prompt": anchors["planner"] + _tokens("quote-task", 3 * BLOCK), "max_tokens": 96,
+                "temperature": 1.0, "seed": 7, "ignore_eos": True, "return_token_ids": True}
+        answer = client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        body = {"model": "tiny", "prompt": anchors["coder"] + _tokens("the coder's notes", BLOCK) + answer,
+                "max_tokens": 1}
+        client.post("/v1/completions", json=body).raise_for_status()
+        recent = client.get("/agentkv/v1/recognized").json()["recognized"]
+        time.sleep(STATS_MAX_AGE)  # a fresh stats document
+        quoting = client.get(STATS_PATH).json()["recognition"]["quoting_requests"]
+    (_, planner, planner_session, _), (_, coder, coder_session, _) = recent[-2:]
+    assert len(answer) == 96 and planner != coder and coder_session == planner_session and quoting >= 1
