@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -29,6 +30,9 @@ from agentkv.launcher import HOST, VLLM_MODULE, Command, ServerProcess, free_por
 __all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
 
 POLICIES = ("kv_aware", "consistent_hash", "cache_aware", "round_robin")
+_PORT_RETRIES = 2  # relaunches of a replica that lost a port while the replicas started together
+
+logger = logging.getLogger("agentkv.cluster")
 
 
 @dataclass
@@ -145,13 +149,31 @@ class Cluster:
             replicas = [self._replica(i) for i in range(config.replicas)]
             for replica in replicas:  # launch together, wait together: start-up overlaps
                 self.processes.append(replica.launch())
-            for replica in replicas:
-                replica.wait_healthy(timeout)
+            for index, replica in enumerate(replicas):
+                self._wait_replica(index, replica, timeout)
             self.processes.append(self._router(config.policy, self.router_port, config.router_args).start(timeout))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_replica(self, index: int, replica: ServerProcess, timeout: float) -> None:
+        """Wait for replica ``index``; relaunch it on fresh ports (at most ``_PORT_RETRIES`` times)
+        when one of its ports was taken between choosing it and binding it (the replicas start
+        together, and each vLLM picks internal ports of its own as it starts)."""
+        for attempt in range(_PORT_RETRIES + 1):
+            try:
+                replica.wait_healthy(timeout)
+                return
+            except RuntimeError as exc:
+                if attempt == _PORT_RETRIES or "Address already in use" not in str(exc):
+                    raise
+            logger.warning("agentkv cluster: replica %d lost a port to another process; relaunching", index)
+            self.processes.remove(replica)
+            self.replica_ports[index], self.event_ports[index] = free_port(), free_port()
+            self.replica_urls[index] = f"http://{HOST}:{self.replica_ports[index]}"
+            replica = self._replica(index)
+            self.processes.append(replica.launch())
 
     def add_router(self, policy: str, args: Sequence[str] = (), timeout: float = 120.0) -> str:
         """Start another vllm-router (``policy``, extra router ``args``) in front of the running

@@ -42,3 +42,55 @@ def test_each_cpu_replica_gets_its_own_cores(monkeypatch):
     assert cluster_module._cpu_binding(4, 8) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}  # more replicas than cores
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3")
     assert cluster_module._cpu_binding(0, 2) == {}  # the user's binding wins
+
+
+_STARTS: list[int] = []  # replica indexes, in launch order
+
+
+class _FlakyReplica:
+    """A replica that loses a port race on its first ``failures`` starts (what vLLM's log says then)."""
+
+    def __init__(self, index: int, failures: int, message: str) -> None:
+        self.index, self.failures, self.message = index, failures, message
+
+    def launch(self) -> _FlakyReplica:
+        _STARTS.append(self.index)
+        return self
+
+    def wait_healthy(self, timeout: float) -> _FlakyReplica:
+        if _STARTS.count(self.index) <= self.failures:
+            raise RuntimeError(f"server exited with code 1 during start-up\n{self.message}")
+        return self
+
+    def start(self, timeout: float) -> _FlakyReplica:
+        return self.launch().wait_healthy(timeout)
+
+    def stop(self) -> None:
+        pass
+
+
+LOST_PORT = "zmq.error.ZMQError: Address already in use (addr='tcp://*:38631')"
+
+
+@pytest.mark.parametrize(("failures", "message", "starts"), [
+    (1, LOST_PORT, 2),  # relaunched once on fresh ports, then healthy
+    (3, LOST_PORT, 3),  # retries are bounded: the third failure is raised
+    (1, "RuntimeError: Engine core initialization failed", 1),  # any other failure is raised at once
+])
+def test_a_replica_that_lost_a_port_is_relaunched_on_fresh_ports(monkeypatch, tmp_path, failures, message, starts):
+    from agentkv import cluster
+
+    _STARTS.clear()
+    running = cluster.Cluster(cluster.ClusterConfig("model", replicas=2, policy="round_robin", log_dir=tmp_path))
+    monkeypatch.setattr(running, "_replica", lambda index: _FlakyReplica(index, failures if index == 1 else 0, message))
+    monkeypatch.setattr(running, "_router", lambda *args, **kwargs: _FlakyReplica(9, 0, ""))
+    ports = (list(running.replica_ports), list(running.event_ports))
+    if starts == 2:
+        running.start()
+        assert _STARTS == [0, 1, 1, 9] and [p.index for p in running.processes] == [0, 1, 9]
+        assert (running.replica_ports[0], running.event_ports[0]) == (ports[0][0], ports[1][0])
+        assert running.replica_urls[1] == f"http://127.0.0.1:{running.replica_ports[1]}"
+    else:
+        with pytest.raises(RuntimeError, match="during start-up"):
+            running.start()
+        assert _STARTS.count(1) == starts and running.processes == []
