@@ -133,9 +133,13 @@ def chunk_chain(tokens: Sequence[int], start: int, limit: int, chunk: int) -> li
     """Chained hashes of the closed content-defined chunks of ``tokens[start:start+limit]``: any
     start inside the first chunk and any continuation after the end give the same chain. Hashes
     are only comparable within one process (bytes hashing is salted per process)."""
+    return _chained(_chunks(tokens, start, limit, chunk))
+
+
+def _chained(chunks: Sequence[bytes]) -> list[int]:
     out: list[int] = []
     chain = 0
-    for data in _chunks(tokens, start, limit, chunk):
+    for data in chunks:
         chain = hash((chain, data))
         out.append(chain)
     return out
@@ -328,8 +332,9 @@ class Recognizer:
             state = self._session(session)
         else:
             start = self._history_start(path, identity, block_size)
-            chain = chunk_chain(tokens, start, self.config.max_history_tokens, self.config.chunk)
-            session, state, quoted = self._continued(chain, tokens, start)
+            chunks = _chunks(tokens, start, self.config.max_history_tokens, self.config.chunk)
+            chain = _chained(chunks)
+            session, state, quoted = self._continued(chain, chunks)
             if quoted is not None:
                 state.agent = quoted  # the agent whose answer this request was handed
             if state.head is not None and self.heads.get(state.head) == session:
@@ -357,7 +362,7 @@ class Recognizer:
             self.sessions.move_to_end(session)
         return state
 
-    def _continued(self, chain: list[int], tokens: Sequence[int], start: int) -> tuple[str, _Session, str | None]:
+    def _continued(self, chain: list[int], chunks: Sequence[bytes]) -> tuple[str, _Session, str | None]:
         """The session whose latest request's history this one starts with (the longest), else the
         session of an earlier answer this one quotes (and that answer's agent), or a new one."""
         for key in reversed(chain):
@@ -367,7 +372,7 @@ class Recognizer:
                 return session, self._session(session), None
         if self.quoted:
             votes: dict[tuple[str, str], int] = {}
-            for data in _chunks(tokens, start, self.config.max_history_tokens, self.config.chunk):
+            for data in chunks:
                 found = self.quoted.get(hash(data))
                 if found is not None and found[0] in self.sessions:
                     votes[found] = votes.get(found, 0) + 1

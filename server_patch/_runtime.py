@@ -178,16 +178,17 @@ class AgentKVRuntime(RuntimeControl):
                 self.trace.admitted(request.request_id, tag, request.num_tokens, num_hits, request.block_hashes,
                                     self.block_size, pool.num_gpu_blocks - 1)  # block 0 is vLLM's null block
 
-        free = manager.free
+        recognizer, free = self.recognizer, manager.free
 
         @functools.wraps(free)
         def free_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
             tag = self._quoting.pop(request.request_id, None)
-            if tag is not None and self.recognizer is not None and request.num_output_tokens:
-                self.recognizer.observe_answer(tag.session, tag.agent, request.output_token_ids)
+            if tag is not None and recognizer is not None and request.num_output_tokens:
+                recognizer.observe_answer(tag.session, tag.agent, request.output_token_ids)
             return free(request, *args, **kwargs)
 
-        manager.free = free_observed  # type: ignore[method-assign]
+        if recognizer is not None:  # only recognized requests' answers are read
+            manager.free = free_observed  # type: ignore[method-assign]
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
         manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]

@@ -113,8 +113,11 @@ class Bound:
         return (self.measured - self.lru) / gap if gap > 0 else math.nan
 
     def to_json(self) -> dict[str, Any]:
+        """The figures as JSON values (``closed`` null when LRU and Belady hit alike: NaN is not JSON)."""
+        closed = self.closed
         return {"requests": self.requests, "prompt_tokens": self.prompt_tokens, "capacity": self.capacity,
-                "measured": self.measured, "lru": self.lru, "belady": self.belady, "closed": self.closed}
+                "measured": self.measured, "lru": self.lru, "belady": self.belady,
+                "closed": None if math.isnan(closed) else closed}
 
 
 def _hit_tokens(request: TraceRequest, hit_blocks: int, block_size: int) -> int:

@@ -84,8 +84,10 @@ def test_the_command_prints_the_figures_or_one_line_why_not(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "bound", str(path), "--json"])
     assert exit_info.value.code == 0
-    figures = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    figures = json.loads(printed)
     assert figures["capacity"] == 3 and figures["lru"] == figures["belady"] == pytest.approx(2 * BLOCK / 18)
+    assert figures["closed"] is None and "NaN" not in printed  # no gap to close: null, valid JSON
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "bound", str(tmp_path / "missing.jsonl")])
     assert exit_info.value.code == 2

@@ -83,7 +83,7 @@ def bound_lines(result: dict[str, Any]) -> list[str]:
     if not figures:
         return []
     closed = figures["closed"]
-    gap = f": {closed:.0%} of the LRU -> Belady gap" if closed == closed else ""
+    gap = "" if closed is None else f": {closed:.0%} of the LRU -> Belady gap"
     return [f"agentkv's traffic replayed offline (agentkv bench bound {figures['trace']} --skip-sessions warmup-): "
             "prompt tokens found "
             f"cached {figures['measured']:.1%} on the server, {figures['lru']:.1%} under LRU, "
