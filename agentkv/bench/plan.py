@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens
 from vllm.v1.request import Request
 
-from agentkv.protocol import ProtocolError, validate_id
+from agentkv.client import sanitize_id
 
 from .tape import Tape, TapeRequest, segment_kind
 from .topologies import AGENTS, TOPOLOGIES, topology
 
-__all__ = ["TapePlan"]
+__all__ = ["TapePlan", "wire_ids"]
+
+_log = logging.getLogger("agentkv.bench")
 
 # The parent of a tape's first block (vLLM's NONE_HASH is random per process unless
 # PYTHONHASHSEED is set; a constant root keeps block hashes identical across processes).
 _ROOT = BlockHash(sha256(("agentkv-tape", 1)))
-_NOT_WIRE = re.compile(r"[^A-Za-z0-9._:@/-]")  # outside agentkv.protocol's id alphabet
 
 
 class TapePlan:
@@ -29,7 +32,7 @@ class TapePlan:
 
     def __init__(self, tape: Tape) -> None:
         self.tape = tape
-        self.requests: list[TapeRequest] = tape.requests
+        self.requests: list[TapeRequest] = wire_ids(tape.requests, tape.name)
         self.block_size = bs = tape.block_size
         self._segment_cache: dict[str, list[int]] = {}
         self._hash_memo: dict[tuple[bytes, tuple[int, ...]], BlockHash] = {}
@@ -149,7 +152,11 @@ class TapePlan:
     def header_graph(self) -> dict[str, Any] | None:
         """The tape header's declared graph (``graph``, validated by ``read_tape``), if any."""
         graph = self.tape.header.get("graph")
-        return graph if isinstance(graph, dict) else None
+        if not isinstance(graph, dict):
+            return None
+        return {**graph, "nodes": [_wire(a) for a in graph["nodes"]],
+                "edges": [[_wire(a), _wire(b)] for a, b in graph.get("edges", [])],
+                "entry": [_wire(a) for a in graph.get("entry") or []]}
 
     def declared_graph(self) -> dict[str, set[str]]:
         """The graph the app declares: the header's ``graph`` (every possible transition), else
@@ -180,22 +187,42 @@ class TapePlan:
         return list(dict.fromkeys(first))
 
     def graph_event(self) -> dict[str, Any] | None:
-        """The ``graph`` event the app would send (ids outside the wire alphabet left out); None without a graph."""
+        """The ``graph`` event the app would send; None without a graph."""
         if self.header_graph is None and self.topology_name is None:
             return None
-        graph = {a: {b for b in succ if _fits_wire(b)} for a, succ in self.declared_graph().items() if _fits_wire(a)}
+        graph = self.declared_graph()
         edges = sorted([a, b] for a, succ in graph.items() if len(succ) == 1 for b in succ)
         conditional = sorted([a, b] for a, succ in graph.items() if len(succ) > 1 for b in succ)
         name = f"tape-{self.tape.name}" if self.topology_name is None else f"topology-{self.topology_name}"
-        return {"type": "graph", "id": _NOT_WIRE.sub("-", name)[:128], "nodes": list(graph),
+        return {"type": "graph", "id": sanitize_id(name), "nodes": list(graph),
                 "edges": edges, "conditional_edges": conditional,
                 "entry": [a for a in self.entry_agents() if a in graph]}
 
 
-def _fits_wire(value: str) -> bool:
-    try:
-        validate_id(value, "agent")
-    except ProtocolError:
-        return False
-    return True
+def _wire(name: str) -> str:
+    return sanitize_id(name) if name else name  # parent "": the session's first dispatch
+
+
+def wire_ids(requests: Iterable[TapeRequest], tape: str = "tape") -> list[TapeRequest]:
+    """The requests with their agent, session and parent ids as agentkv's clients send them.
+
+    The framework adapters pass every name through ``sanitize_id`` (``Research Agent`` is sent
+    as ``Research_Agent``), so a tape recorded from an app replays tagged whatever its names.
+    Two names that sanitize alike are one id, as they are live; that is logged.
+    """
+    out: list[TapeRequest] = []
+    names: dict[str, str] = {}  # original -> id
+    for request in requests:
+        ids = [names.get(x) or names.setdefault(x, _wire(x)) if x is not None else None
+               for x in (request.agent, request.session, request.parent)]
+        if ids != [request.agent, request.session, request.parent]:
+            request = dataclasses.replace(request, agent=ids[0], session=ids[1], parent=ids[2])
+        out.append(request)
+    changed = {name: wire for name, wire in names.items() if name != wire}
+    if changed:
+        merged = sum(count - 1 for count in Counter(names.values()).values())
+        _log.warning("%s: %d agent or session ids outside the wire alphabet are sent as agentkv's clients send them "
+                     "(e.g. %r as %r)%s", tape, len(changed), *next(iter(changed.items())),
+                     f"; {merged} of them now equal another id" if merged else "")
+    return out
 

@@ -189,7 +189,7 @@ class Replay:
             try:
                 tag = AgentTag(record.agent, record.session, record.parent, record.step).to_xargs()
             except ProtocolError:
-                tag = None  # ids outside the wire format's alphabet: served untagged
+                tag = None  # a step beyond the wire format's bound: served untagged (ids are sanitized by TapePlan)
         params = SamplingParams(max_tokens=record.output_tokens, extra_args=tag)
         session = record.session if self.policy.tagged else None  # untagged: no X-Session-ID either
         request = Request(record.id, self.plan.prompts[index], params, None, arrival_time=self.now,

@@ -56,6 +56,39 @@ def test_odd_shapes_replay_under_every_policy(odd):
     assert len({r.hit_tokens for r in roomy.values()}) == 1 and {r.evictions for r in roomy.values()} == {0}
 
 
+def _app_tape(name: object) -> list[dict]:
+    """Two agents calling each other in 12 sessions; ``name(x)`` spells each id."""
+    lines: list[dict] = [dict(HEADER, graph={"nodes": [name("Lead Agent"), name("Helper Agent")],
+                                             "edges": [[name("Lead Agent"), name("Helper Agent")],
+                                                       [name("Helper Agent"), name("Lead Agent")]],
+                                             "entry": [name("Lead Agent")]})]
+    for s in range(12):
+        parent = ""
+        for turn in range(6):
+            agent = "Lead Agent" if turn % 2 == 0 else "Helper Agent"
+            lines.append({"t": 10.0 * s + turn, "session": name(f"user #{s}"), "agent": name(agent),
+                          "parent": name(parent), "segments": [[f"anchor/{agent}", 320], [f"s{s}/task", 60]],
+                          "output_tokens": 8, "tool_gap": 0.5})
+            parent = agent
+    return lines
+
+
+def test_names_outside_the_wire_alphabet_replay_tagged_as_the_clients_send_them(caplog):
+    from agentkv.client import sanitize_id
+
+    spelled = _plan(*_app_tape(str))
+    sanitized = _plan(*_app_tape(lambda x: sanitize_id(x) if x else x))
+    assert {r.agent for r in spelled.requests} == {"Lead_Agent", "Helper_Agent"}
+    assert spelled.requests[0].parent == "" and spelled.requests[1].parent == "Lead_Agent"
+    assert spelled.graph_event()["nodes"] == ["Lead_Agent", "Helper_Agent"]
+    assert "14 agent or session ids outside the wire alphabet" in caplog.text
+    for policy in ("agentkv", "agentkv+facts"):
+        a, b = AgentKV(facts=policy.endswith("facts")), AgentKV(facts=policy.endswith("facts"))
+        first, second = Replay(spelled, a, 40).run(), Replay(sanitized, b, 40).run()
+        assert first.hit_tokens == second.hit_tokens and first.evictions == second.evictions
+        assert a.runtime.tagged_requests == 72 and set(a.runtime.learner.agents) == {"Lead_Agent", "Helper_Agent"}
+
+
 def test_a_prompt_longer_than_the_default_model_length_replays():
     plan = _plan(HEADER, _request(segments=[["doc/huge", 70_000]]), _request(t=1.0, segments=[["doc/huge", 70_000]]))
     result = replay(plan, "lru", plan.max_request_blocks + 1)

@@ -209,13 +209,14 @@ def test_abandoned_sessions_stay_live_for_kvflow():
     assert set(policy.current) == abandoned  # the app never said these sessions ended
 
 
-def test_a_graph_with_ids_off_the_wire_declares_the_rest():
+def test_a_graph_with_ids_off_the_wire_is_declared_as_the_clients_send_them():
     lines = [{"format": "agentkv-tape", "version": 1, "block_size": 16, "name": "hand made",
               "graph": {"nodes": ["a", "b c"], "edges": [["a", "b c"], ["b c", "a"], ["a", "a"]], "entry": ["a"]}},
              {"t": 0.0, "session": "s", "agent": "a", "parent": "", "segments": [["anchor/a", 40]],
               "output_tokens": 2, "tool_gap": 0}]
     plan = TapePlan(read_tape(io.StringIO("\n".join(json.dumps(x) for x in lines))))
-    assert plan.declared_graph() == {"a": {"a", "b c"}, "b c": {"a"}}
-    assert plan.graph_event() == {"type": "graph", "id": "tape-hand-made", "nodes": ["a"], "edges": [["a", "a"]],
-                                  "conditional_edges": [], "entry": ["a"]}
+    assert plan.declared_graph() == {"a": {"a", "b_c"}, "b_c": {"a"}}
+    assert plan.graph_event() == {"type": "graph", "id": "tape-hand_made", "nodes": ["a", "b_c"],
+                                  "edges": [["b_c", "a"]], "conditional_edges": [["a", "a"], ["a", "b_c"]],
+                                  "entry": ["a"]}
     assert replay(plan, "agentkv+facts", 8).requests == 1
