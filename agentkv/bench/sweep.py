@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
@@ -40,10 +41,24 @@ def _plan(path: str) -> TapePlan:
     return plan
 
 
-def _cell(path: str, policy: str, capacity: int, ttl: float | None) -> dict[str, Any]:
+def _cell(path: str, name: str, policy: str, capacity: int, ttl: float | None) -> dict[str, Any]:
     result = replay(_plan(path), policy, capacity, ttl=ttl)
     out = result.to_json()
-    out["tape"] = _plan(path).tape.name
+    out["tape"] = name
+    return out
+
+
+def tape_names(paths: Sequence[str], names: Sequence[str]) -> list[str]:
+    """Report names of the tapes at ``paths``: each header's ``name``, except that tapes sharing
+    one are named by their file (hand-written tapes often have none and all read ``tape``), and
+    by their file with a count where those are alike too."""
+    shared = {name for name in names if names.count(name) > 1}
+    chosen = [Path(path).stem if name in shared else name for path, name in zip(paths, names, strict=True)]
+    seen: dict[str, int] = {}
+    out = []
+    for name in chosen:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if chosen.count(name) == 1 else f"{name}-{seen[name]}")
     return out
 
 
@@ -83,9 +98,9 @@ def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, c
                       "target_r": plan.tape.header.get("target_predictability"), "summary": plan.tape.summary(),
                       "max_request_blocks": plan.max_request_blocks, "anchor_blocks": plan.anchor_blocks,
                       "candidates": caps, "kept": list(caps)})
-    names = [t["name"] for t in tapes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"tape names must differ (header 'name'): {names}")
+    names = tape_names(paths, [t["name"] for t in tapes])
+    for tape, name in zip(tapes, names, strict=True):
+        tape["name"] = name
     # every table of the report is relative to lru and belady: they always run and stay in it
     first = ["lru", "belady"]
     policies = [*(p for p in first if p not in policies), *policies]
@@ -95,25 +110,25 @@ def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, c
     bar = tqdm(total=total, desc="replay", unit="cell", disable=not progress, file=sys.stderr)
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=_mp_context()) if jobs > 1 else None
 
-    def run(cells: list[tuple[str, str, int]]) -> None:
+    def run(cells: list[tuple[str, str, str, int]]) -> None:
         if pool is None:
-            for path, policy, cap in cells:
-                results.append(_cell(path, policy, cap, ttl))
+            for path, name, policy, cap in cells:
+                results.append(_cell(path, name, policy, cap, ttl))
                 bar.update(1)
             return
-        futures = [pool.submit(_cell, path, policy, cap, ttl) for path, policy, cap in cells]
+        futures = [pool.submit(_cell, path, name, policy, cap, ttl) for path, name, policy, cap in cells]
         for future in futures:
             results.append(future.result())
             bar.update(1)
 
     try:
-        run([(t["path"], p, c) for t in tapes for c in t["candidates"] for p in first])
+        run([(t["path"], t["name"], p, c) for t in tapes for c in t["candidates"] for p in first])
         if preflight:
             done = _index(results)
             for t in tapes:
                 t["kept"] = [c for c in t["candidates"]
                              if 100 * (done[t["name"], c, "belady"] - done[t["name"], c, "lru"]) >= margin]
-        cells = [(t["path"], p, c) for t in tapes
+        cells = [(t["path"], t["name"], p, c) for t in tapes
                  for c in (t["kept"] if skip_dropped else t["candidates"]) for p in rest]
         bar.total = len(results) + len(cells)
         bar.refresh()

@@ -190,3 +190,21 @@ def test_a_tape_whose_every_parent_is_empty_is_warned_about(caplog):
     with caplog.at_level("WARNING", logger="agentkv.bench.sweep"):
         sweep_module._plan(str(ODD_SHAPES))
     assert f'{ODD_SHAPES}: 34 of 36 requests have parent "" after their session\'s first request' in caplog.text
+
+
+def test_tapes_without_names_replay_together_named_by_their_files(tmp_path):
+    from agentkv.__main__ import main
+    from agentkv.bench.sweep import tape_names
+
+    text = "\n".join(json.dumps(x) for x in (HEADER, _request(), _request(t=1.0)))
+    paths = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "more" / "a.jsonl"]
+    for path in paths:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert tape_names([str(p) for p in paths], ["tape"] * 3) == ["a-1", "b", "a-2"]
+    assert tape_names(["x.jsonl", "y.jsonl"], ["mine", "tape"]) == ["mine", "tape"]  # distinct names stay
+    main(["bench", "replay", *map(str, paths), "--policies", "lru,agentkv", "--capacities", "8", "--jobs", "1",
+          "--quiet", "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "replay.json").read_text())
+    assert [t["name"] for t in report["tapes"]] == ["a-1", "b", "a-2"]
+    assert {r["tape"] for r in report["results"]} == {"a-1", "b", "a-2"} and len(report["results"]) == 9
