@@ -254,11 +254,14 @@ class AgentKVRuntime(RuntimeControl):
             return
         self.tagged_requests += 1
         self.anchors.observe(tag.agent, tag.session, request.block_hashes)
+        step = tag.step
         if tag.session is not None and not tag.warmup:
-            self.timing.observe(tag.session, tag.agent, self.clock(), tag.step)
+            if step is None:  # a client that sends no step: one agent's consecutive calls are one dispatch
+                step = self.timing.implied_step(tag.session, tag.agent)
+            self.timing.observe(tag.session, tag.agent, self.clock(), step)
         if tag.session is not None and self.facts.is_ended(tag.session):
             self.facts.start_session(tag.session)  # a tagged request revives an ended session id
-        self.learner.observe(tag.agent, tag.session, tag.parent, step=tag.step, warmup=tag.warmup)
+        self.learner.observe(tag.agent, tag.session, tag.parent, step=step, warmup=tag.warmup)
 
     def refresh(self) -> None:
         """Re-evaluate the next-use model and re-score the queue's groups when it may have moved.

@@ -121,19 +121,23 @@ class TapePlan:
         return tuple(out)
 
     def is_handoff(self, request: TapeRequest) -> bool:
-        """True if the session continues with another dispatch (a new step) after this request."""
-        index = self._index_of(request)
-        following = self.next_in_session[index]
-        return following is not None and (request.step is None or self.requests[following].step != request.step)
-
-    def is_tool_call(self, request: TapeRequest) -> bool | None:
-        """Whether the request's answer was a tool call (the session's next request continues its
-        dispatch), as the response's finish_reason tells the server; None for a tape without steps."""
-        if request.step is None:
-            return None
+        """True if the session continues with another dispatch after this request (a new step; a
+        tape without steps: another agent)."""
         following = self.next_in_session[self._index_of(request)]
-        return following is not None and self.requests[following].step == request.step \
-            and self.requests[following].agent == request.agent
+        if following is None:
+            return False
+        after = self.requests[following]
+        return after.agent != request.agent if request.step is None else after.step != request.step
+
+    def is_tool_call(self, request: TapeRequest) -> bool:
+        """Whether the request's answer was a tool call, as the response's finish_reason tells the
+        server: the session's next request continues its dispatch (the same agent, at the same
+        step; a tape without steps: the same agent, as a tool loop's calls are)."""
+        following = self.next_in_session[self._index_of(request)]
+        if following is None:
+            return False
+        after = self.requests[following]
+        return after.agent == request.agent and (request.step is None or after.step == request.step)
 
     def _index_of(self, request: TapeRequest) -> int:
         if not hasattr(self, "_indices"):

@@ -273,12 +273,11 @@ class AgentKV(Policy):
         self.runtime.refresh()
 
     def on_finish(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
-        tool_call = sim.plan.is_tool_call(record)
-        if tool_call is not None:  # what the middleware reads off the response
-            if self.tagged:
-                self.runtime.answered(record.session, tool_call)
-            else:  # named by its response id: the recognized session's answer
-                self.runtime.answered_request(request.request_id, tool_call)
+        tool_call = sim.plan.is_tool_call(record)  # what the middleware reads off the response
+        if self.tagged:
+            self.runtime.answered(record.session, tool_call)
+        else:  # named by its response id: the recognized session's answer
+            self.runtime.answered_request(request.request_id, tool_call)
         if self.warmup and sim.plan.is_handoff(record):
             self.warmups[self._warm(sim, record.agent)] += 1
 

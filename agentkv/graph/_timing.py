@@ -317,6 +317,14 @@ class SessionTiming:
             going_on = [told.get(key) for key in zip(agents, tool_calls, strict=True)]
         return LiveSessions(tuple(self._sessions), agents, seen, dispatches, going_on)
 
+    def implied_step(self, session: str, agent: str) -> int:
+        """The dispatch step of a request that carries none: the session's current one when its
+        last request was ``agent``'s (a tool loop's calls, as recognition counts them), else the next."""
+        state = self._sessions.get(session)
+        if state is None or state.step is None:
+            return 0
+        return state.step if state.agent == agent else state.step + 1
+
     def last_seen(self, session: str) -> float | None:
         state = self._sessions.get(session)
         return None if state is None else state.seen

@@ -318,3 +318,12 @@ def test_uses_beyond_a_sessions_learned_end_count_for_nothing():
     assert learned["y"] == pytest.approx(forever["y"], rel=0.01)
     assert learned["z"] == pytest.approx(forever["z"], rel=0.01)
     assert forever["x"] > 0 and learned["x"] < 0.1 * forever["x"]
+
+
+def test_a_request_without_a_step_continues_the_dispatch_of_its_agent():
+    timing = SessionTiming()
+    assert timing.implied_step("s", "a") == 0  # a new session
+    timing.observe("s", "a", 0.0, 0)
+    assert timing.implied_step("s", "a") == 0 and timing.implied_step("s", "b") == 1
+    timing.observe("s", "b", 1.0, 1)
+    assert timing.implied_step("s", "a") == 2

@@ -113,3 +113,23 @@ def test_metrics_carry_agentkv_counters_beside_vllms(own_agentkv_server):
                      headers={"Accept-Encoding": "gzip"}).text
     assert "vllm:prefix_cache_queries_total" in text
     assert "agentkv_evictions_total" in text and "agentkv_predictability" in text
+
+
+def test_a_tool_loop_without_steps_is_learned_as_one_dispatch(own_agentkv_server):
+    # a client that sends agent and session but no X-AgentKV-Step: planner, coder x 3 (its tool loop), planner
+    calls = ["loop.planner", "loop.coder", "loop.coder", "loop.coder", "loop.planner"]
+    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
+    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        for i, agent in enumerate(calls):
+            headers = {"X-AgentKV-Agent": agent, "X-AgentKV-Session": "loop-1"}
+            if i == 0:
+                headers["X-AgentKV-Parent"] = ""
+            prompt = _anchor(agent) + [100 + i] * BLOCK
+            response = client.post("/v1/completions", headers=headers,
+                                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            response.raise_for_status()
+    stats = snapshot.now()
+    assert snapshot.delta("dispatches", now=stats) == 3
+    planner, coder = stats["transitions"]["loop.planner"], stats["transitions"]["loop.coder"]
+    assert planner["loop.coder"] > 0.9  # the rest is the chain's smoothing
+    assert coder["loop.planner"] > 0.9 and coder.get("loop.coder", 0.0) < 0.1  # the loop taught no coder -> coder

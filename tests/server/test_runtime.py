@@ -246,3 +246,21 @@ def test_random_routing_keeps_anchors():
     vanilla = [run(vanilla_kv, None, request(tokens, None)) for tokens, _ in random_sessions(30)]
     assert 0 < runtime.table.predictability < 0.2 and runtime.policy == "survival"
     assert sum(hits) >= 1.25 * sum(vanilla)  # 8,496 vs 6,432 tokens
+
+
+@pytest.mark.parametrize("steps", [True, False])
+def test_a_tool_loop_counts_one_dispatch_whether_or_not_the_client_sends_steps(steps):
+    # coder's tool loop (three calls) between supervisor turns; a client without steps gets them implied
+    kv, runtime = manager(256), AgentKVRuntime(RuntimeConfig())
+    runtime.install(kv)
+    calls = [("supervisor", 0), ("coder", 1), ("coder", 1), ("coder", 1), ("supervisor", 2), ("coder", 3)]
+    for i, (agent, step) in enumerate(calls):
+        tag = AgentTag(agent, "s", "" if i == 0 else None, step if steps else None)
+        run(kv, runtime, request(anchor(agent) + list(range(200_000 + 1000 * i, 200_000 + 1000 * i + 40)), tag))
+        runtime.answered("s", i in (1, 2))  # the first two coder answers call a tool
+    learner = runtime.learner
+    coder = learner.agents.index("coder")
+    assert learner.dispatches == 4  # supervisor, coder (three calls), supervisor, coder
+    assert learner.counts()[coder, coder] == 0  # no coder -> coder transition learned from the loop
+    assert runtime.timing.sessions()[0][3] == 4
+    assert runtime.timing.continuation("coder") == pytest.approx(2 / 3)  # two calls went on, one handed off
