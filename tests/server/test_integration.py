@@ -131,5 +131,5 @@ def test_a_tool_loop_without_steps_is_learned_as_one_dispatch(own_agentkv_server
     stats = snapshot.now()
     assert snapshot.delta("dispatches", now=stats) == 3
     planner, coder = stats["transitions"]["loop.planner"], stats["transitions"]["loop.coder"]
-    assert planner["loop.coder"] > 0.9  # the rest is the chain's smoothing
-    assert coder["loop.planner"] > 0.9 and coder.get("loop.coder", 0.0) < 0.1  # the loop taught no coder -> coder
+    assert max(planner, key=planner.get) == "loop.coder"  # the rest is the chain's smoothing over known agents
+    assert coder.get("loop.coder", 0.0) < coder["loop.planner"] / 2  # the loop taught no coder -> coder
