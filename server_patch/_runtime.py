@@ -182,7 +182,8 @@ class AgentKVRuntime(RuntimeControl):
 
         @functools.wraps(free)
         def free_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
-            tag = self._quoting.pop(request.request_id, None)
+            # a preempted request is freed too (still running): its answer is read when it finishes
+            tag = self._quoting.pop(request.request_id, None) if request.is_finished() else None
             if tag is not None and recognizer is not None and request.num_output_tokens:
                 recognizer.observe_answer(tag.session, tag.agent, request.output_token_ids)
             return free(request, *args, **kwargs)

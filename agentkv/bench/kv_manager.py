@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 __all__ = ["make_manager", "serve_once"]
 
@@ -25,5 +25,6 @@ def serve_once(kv: KVCacheManager, request: Request) -> int:
     kv.record_prefix_cache_stats(request, hit)
     assert kv.allocate_slots(request, request.num_tokens - hit, hit, computed) is not None
     request.num_computed_tokens = request.num_tokens
+    request.status = RequestStatus.FINISHED_STOPPED
     kv.free(request)
     return hit

@@ -6,7 +6,7 @@ import itertools
 import random
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from agentkv.protocol import AgentTag
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
@@ -136,7 +136,37 @@ def _run_answering(kv, runtime: AgentKVRuntime, req: Request, answer: list[int])
     assert kv.allocate_slots(req, req.num_tokens - hit, hit, computed) is not None
     req.num_computed_tokens = req.num_tokens
     req.append_output_token_ids(answer)
+    req.status = RequestStatus.FINISHED_STOPPED
     kv.free(req)
+
+
+def test_a_preempted_request_is_read_when_it_finishes():
+    """The scheduler frees a preempted request's blocks while it still runs: its partial answer
+    is not indexed, and its whole answer is once it finishes."""
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    sessions(runtime, kv, 4)
+    supervisor = untagged(ANCHORS["supervisor"] + tokens("task-preempted", 50))
+    answer = tokens("the supervisor's long answer", 80)
+    runtime.on_add_request(supervisor)
+    computed, hit, _ = kv.get_computed_blocks(supervisor)
+    kv.record_prefix_cache_stats(supervisor, hit)
+    assert kv.allocate_slots(supervisor, supervisor.num_tokens - hit, hit, computed) is not None
+    supervisor.status = RequestStatus.RUNNING
+    supervisor.append_output_token_ids(answer[:8])
+    kv.free(supervisor)  # preempted after 8 tokens
+    coder = untagged(ANCHORS["coder"] + tokens("notes", 30) + answer)
+    run(kv, runtime, coder)
+    assert runtime.tag_of(coder).session != runtime.tag_of(supervisor).session  # nothing indexed yet
+    computed, hit, _ = kv.get_computed_blocks(supervisor)  # resumed (not added again), then finished
+    assert kv.allocate_slots(supervisor, supervisor.num_tokens - hit, hit, computed) is not None
+    supervisor.append_output_token_ids(answer[8:])
+    supervisor.status = RequestStatus.FINISHED_STOPPED
+    kv.free(supervisor)
+    again = untagged(ANCHORS["coder"] + tokens("other notes", 30) + answer)
+    run(kv, runtime, again)
+    assert runtime.tag_of(again).session == runtime.tag_of(supervisor).session
+    assert runtime.recognizer.quoting == 1 and runtime.tag_of(again).parent == runtime.tag_of(supervisor).agent
 
 
 def test_a_request_handed_an_answer_joins_the_answers_session():
