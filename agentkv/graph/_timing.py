@@ -109,18 +109,23 @@ class GapTable:
         return float(_CENTERS[min(int(np.searchsorted(self.cdf, q)), _BINS - 1)])
 
     def split_at(self, rows: np.ndarray, idle: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(P(tool gap > idle), its time left, P(hand-off gap > idle), its time left)."""
-        bins, past = _bins_of(idle)  # once for both distributions
-        (tool_survival, tool_residual), (handoff_survival, handoff_residual) = self.tool, self.handoff
-        return (tool_survival[rows, bins], tool_residual[rows, bins] - past,
-                handoff_survival[rows, bins], handoff_residual[rows, bins] - past)
+        """(P(tool gap > idle), its time left, P(hand-off gap > idle), its time left), read
+        between the bin edges around ``idle`` (linearly: gaps spread evenly within a bin)."""
+        bins, share = _bins_of(idle)  # once for both distributions
+        following = np.minimum(bins + 1, _BINS - 1)
+        out = []
+        for table in (*self.tool, *self.handoff):
+            low, high = table[rows, bins], table[rows, following]
+            out.append(low + share * (high - low))
+        return out[0], out[1], out[2], out[3]
 
 
 def _bins_of(idle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the bin of each idle time, the time since that bin's lower edge); min/max, not np.clip,
+    """(the bin of each idle time, how far into the bin it is, 0..1); min/max, not np.clip,
     which costs several times more on arrays this small."""
     bins = np.minimum(np.maximum(np.searchsorted(_EDGES, idle, side="right") - 1, 0), _BINS - 1)
-    return bins, np.maximum(idle - _EDGES[bins], 0.0)
+    share = (idle - _EDGES[bins]) / (_EDGES[bins + 1] - _EDGES[bins])
+    return bins, np.minimum(np.maximum(share, 0.0), 1.0)
 
 
 def _tables(own: np.ndarray, pooled: np.ndarray, prior_gaps: float) -> tuple[np.ndarray, np.ndarray]:

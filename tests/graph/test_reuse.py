@@ -259,6 +259,23 @@ def test_gap_distribution_survival_and_residual_time():
     assert table.median_gap in (pytest.approx(1.0, rel=0.3), pytest.approx(10.0, rel=0.3))
 
 
+def test_time_left_moves_smoothly_with_the_idle_time_within_a_bin():
+    # gaps spread evenly over 50-150 s: an idle time late in a ~30% wide bin still has the rest of
+    # the spread ahead of it, not a time left near zero
+    timing = SessionTiming()
+    now = 0.0
+    for n in range(1001):
+        now += 50.0 + (n * 37 % 1001) / 10.0
+        timing.observe("s", "x", now)
+    table = timing.table()
+    row = np.array([table.row("x")])
+    idle = np.arange(60.0, 135.0, 0.5)
+    survival, residual = table.split_at(np.repeat(row, len(idle)), idle)[2:]
+    assert (np.diff(survival) <= 1e-12).all()  # never rises with the idle time
+    assert residual.min() > 5.0  # the harmonic mean of the time left of a uniform spread is ~10 s here
+    assert np.abs(np.diff(residual)).max() < 1.5  # no jump at a bin edge
+
+
 def test_session_start_rate_and_continuation():
     timing = SessionTiming()
     for n in range(20):
