@@ -222,7 +222,7 @@ class SessionTiming:
                 self._touched = None
 
     def take_touched(self) -> set[str] | None:
-        """The sessions that had a request, a finished request, a told answer or an end since the last call (None:
+        """The sessions that had a request, a told answer or an end since the last call (None:
         too many to list, take every session as touched); the next call starts afresh."""
         touched, self._touched = self._touched, set()
         return touched
