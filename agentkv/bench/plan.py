@@ -215,16 +215,20 @@ def wire_ids(requests: Iterable[TapeRequest], tape: str = "tape") -> list[TapeRe
     Two names that sanitize alike are one id, as they are live; that is logged.
     """
     out: list[TapeRequest] = []
-    names: dict[str, str] = {}  # original -> id
+    agents: dict[str, str] = {}  # original -> id; agents and sessions are apart (alike ids do not merge them)
+    sessions: dict[str, str] = {}
+
+    def wire(names: dict[str, str], name: str | None) -> str | None:
+        return None if name is None else names.get(name) or names.setdefault(name, _wire(name))
+
     for request in requests:
-        ids = [names.get(x) or names.setdefault(x, _wire(x)) if x is not None else None
-               for x in (request.agent, request.session, request.parent)]
-        if ids != [request.agent, request.session, request.parent]:
+        ids = (wire(agents, request.agent), wire(sessions, request.session), wire(agents, request.parent))
+        if ids != (request.agent, request.session, request.parent):
             request = dataclasses.replace(request, agent=ids[0], session=ids[1], parent=ids[2])
         out.append(request)
-    changed = {name: wire for name, wire in names.items() if name != wire}
+    changed = {name: id_ for names in (agents, sessions) for name, id_ in names.items() if name != id_}
     if changed:
-        merged = sum(count - 1 for count in Counter(names.values()).values())
+        merged = sum(count - 1 for names in (agents, sessions) for count in Counter(names.values()).values())
         _log.warning("%s: %d agent or session ids outside the wire alphabet are sent as agentkv's clients send them "
                      "(e.g. %r as %r)%s", tape, len(changed), *next(iter(changed.items())),
                      f"; {merged} of them now equal another id" if merged else "")
