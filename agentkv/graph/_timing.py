@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -25,6 +25,8 @@ _TOLD_PRIOR = 2.0  # answers of evidence the prior of ``continuation_after`` cou
 _MAX_LENGTH = 64  # session lengths (dispatches) are counted up to this; longer ones share the last bin
 _LENGTH_DECAY = 0.995  # per ended session
 _MIN_ENDED = 10
+_START_WINDOW = 16  # the rate of new sessions is read off this many recent intervals between starts
+_PAUSE = 4.0  # an interval over this many times the median is a pause, not the pace of starts
 # _INVERSE_LEFT[j, b] = 1 / (time left in bin b for a gap that reached edge j), 0 for b < j
 _INVERSE_LEFT = np.triu(1.0 / np.maximum(_CENTERS[None, :] - _EDGES[:-1, None], 1e-3))
 
@@ -183,10 +185,9 @@ class SessionTiming:
         # per agent, after an answer the server was told of: [no tool call, tool call] x [same dispatch, next]
         self._after_told: dict[tuple[str, bool], list[float]] = {}  # (agent, tool call) -> [same, next]
         self._gaps = 0
-        self._starts = 0
-        self._first_start: float | None = None
-        self._last_start = 0.0
-        self._start_interval = math.inf  # EWMA of the time between session starts
+        self._last_start: float | None = None
+        self._start_intervals: deque[float] = deque(maxlen=_START_WINDOW)
+        self._start_interval = math.inf  # mean of the recent intervals between starts, pauses left out
         self._lengths = np.zeros(_MAX_LENGTH)  # decayed counts of ended sessions by dispatches
         self._touched: set[str] | None = set()  # see ``take_touched``; None: more than max_sessions
         self.version = 0
@@ -255,13 +256,15 @@ class SessionTiming:
         return self._lengths / (tail + 1.0)  # +1: one unseen longer session keeps it below 1
 
     def _note_start(self, now: float) -> None:
-        self._starts += 1
-        if self._first_start is None:
-            self._first_start = now
-        elif self._starts == 2:
-            self._start_interval = max(now - self._first_start, 1e-3)
-        else:
-            self._start_interval = 0.9 * self._start_interval + 0.1 * max(now - self._last_start, 1e-3)
+        # A pause (a quiet night, the minute between two test runs) would hold a running mean
+        # down for many starts after the pace picks up again; ``session_rate`` covers the pause
+        # in progress, so the pace is the mean of the recent intervals without the pauses.
+        if self._last_start is not None:
+            self._start_intervals.append(max(now - self._last_start, 1e-3))
+            pace = sorted(self._start_intervals)
+            limit = _PAUSE * pace[(len(pace) - 1) // 2]
+            kept = [interval for interval in pace if interval <= limit]
+            self._start_interval = sum(kept) / len(kept)
         self._last_start = now
 
     def _add_gap(self, agent: str, gap: float, same_dispatch: bool) -> None:
@@ -355,7 +358,7 @@ class SessionTiming:
 
     def session_rate(self, now: float) -> float:
         """New sessions per second (0 until two sessions started); decays while none start."""
-        if not math.isfinite(self._start_interval):
+        if self._last_start is None or not math.isfinite(self._start_interval):
             return 0.0
         return 1.0 / max(self._start_interval, now - self._last_start)
 

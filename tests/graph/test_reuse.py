@@ -288,6 +288,15 @@ def test_session_start_rate_and_continuation():
     assert timing.continuation("y") == 0.0
 
 
+def test_the_start_rate_picks_up_the_pace_as_soon_as_sessions_start_again_after_a_pause():
+    timing = SessionTiming()
+    timing.observe("early", "x", 0.0, step=0)
+    for n in range(3):  # after a 40 s pause, sessions start every 0.25 s
+        timing.observe(f"s{n}", "x", 40.0 + 0.25 * n, step=0)
+    assert timing.session_rate(40.5) == pytest.approx(4.0)  # a running mean would read ~0.03/s
+    assert timing.session_rate(50.5) == pytest.approx(0.1)  # ... and a new pause decays it
+
+
 def test_timing_state_is_bounded():
     timing = SessionTiming(TimingConfig(max_sessions=10, max_agents=4))
     for n in range(1000):
