@@ -178,21 +178,27 @@ class AgentKVRuntime(RuntimeControl):
                 self.trace.admitted(request.request_id, tag, request.num_tokens, num_hits, request.block_hashes,
                                     self.block_size, pool.num_gpu_blocks - 1)  # block 0 is vLLM's null block
 
-        recognizer, free = self.recognizer, manager.free
+        free = manager.free
 
         @functools.wraps(free)
         def free_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
-            # a preempted request is freed too (still running): its answer is read when it finishes
-            tag = self._quoting.pop(request.request_id, None) if request.is_finished() else None
-            if tag is not None and recognizer is not None and request.num_output_tokens:
-                recognizer.observe_answer(tag.session, tag.agent, request.output_token_ids)
+            if request.is_finished():  # a preempted request is freed too, and finishes later
+                self._finished(request)
             return free(request, *args, **kwargs)
 
-        if recognizer is not None:  # only recognized requests' answers are read
-            manager.free = free_observed  # type: ignore[method-assign]
+        manager.free = free_observed  # type: ignore[method-assign]
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
         manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]
+
+    def _finished(self, request: Request) -> None:
+        """A request finished: it no longer keeps its session busy; a recognized one's answer is indexed."""
+        tag = self._tags.get(request.request_id)
+        if tag is not None and tag.session is not None and not tag.warmup:
+            self.timing.finished(tag.session)
+        quoting = self._quoting.pop(request.request_id, None)
+        if quoting is not None and self.recognizer is not None and request.num_output_tokens:
+            self.recognizer.observe_answer(quoting.session, quoting.agent, request.output_token_ids)
 
     def tag_of(self, request: Request) -> AgentTag | None:
         """The request's agentkv tag (parsed once per request; malformed ones counted)."""
@@ -290,9 +296,10 @@ class AgentKVRuntime(RuntimeControl):
             return  # a fact (an ended session) applies at once; learned values can wait a step or two
         self.table = table = self._evaluate(now)
         for session in table.dead:
-            # only the timing forgets it (its history drops to the floor, its length is learned);
-            # the learner keeps its lineage: a session that was merely slow must not count an end
-            self.timing.end(session)
+            # only the timing forgets it (its history drops to the floor, its length is learned, and
+            # taken back if it returns); the learner keeps its lineage: a session that was merely
+            # slow must not count an end
+            self.timing.expire(session)
         self._scored_version = (self.learner.version, self.facts.version, self.timing.version)
         self._scored_at = now
         policy = self.policy

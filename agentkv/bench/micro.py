@@ -62,6 +62,7 @@ def _trained(n_agents: int, sessions: int, dispatches: int, seed: int) -> tuple[
     for agent, session, at in ops:
         learner.observe(agent, session=session)
         timing.observe(session, agent, at)
+        timing.finished(session)  # answered at once
     return learner, timing, ops
 
 
@@ -75,6 +76,7 @@ def _measure(n: int, sessions: int) -> dict[str, float]:
         clock[0] += 0.5
         learner.observe(agent, session=session)
         timing.observe(session, agent, clock[0])
+        timing.finished(session)
 
     observe_us = _best_us(observe, number=2_000)
     predictor = Predictor(learner, GraphFacts())

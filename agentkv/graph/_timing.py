@@ -27,6 +27,7 @@ _LENGTH_DECAY = 0.995  # per ended session
 _MIN_ENDED = 10
 _START_WINDOW = 16  # the rate of new sessions is read off this many recent intervals between starts
 _PAUSE = 4.0  # an interval over this many times the median is a pause, not the pace of starts
+_MAX_EXPIRED = 4096  # sessions that timed out, remembered in case they come back after all
 # _INVERSE_LEFT[j, b] = 1 / (time left in bin b for a gap that reached edge j), 0 for b < j
 _INVERSE_LEFT = np.triu(1.0 / np.maximum(_CENTERS[None, :] - _EDGES[:-1, None], 1e-3))
 
@@ -57,12 +58,13 @@ class _Session(NamedTuple):  # a tuple: one is built per request, ~5x faster tha
     step: int | None
     dispatches: int  # dispatches so far (a tool loop's requests share one)
     tool_call: bool | None = None  # the last request's answer was a tool call (None: not told)
+    running: int = 0  # its requests admitted and not finished yet (the session is busy, not idle)
 
 
 class LiveSessions(NamedTuple):
     """The live sessions as columns, one entry per session: its name, current agent, last
-    arrival, dispatches so far, and P(its dispatch goes on) given what its last answer was
-    (None: not told)."""
+    arrival (infinity while a request of it runs: idle 0), dispatches so far, and P(its dispatch
+    goes on) given what its last answer was (None: not told)."""
 
     names: Sequence[str]
     agents: Sequence[str]
@@ -159,11 +161,14 @@ def _divide_rows(rows: list[list[float]], divisor: float) -> None:
 class SessionTiming:
     """Per-agent distributions of the time from a session's request to its next request.
 
-    Learned from request arrivals only (what the server sees): the gap after an agent's request
-    covers its own generation plus tool time or the hand-off to the next agent. Also tracks each
-    live session's last request and dispatch count, how often a request is followed by another
-    request of the same dispatch (an agent's tool loop), the rate at which new sessions start, and
-    how many dispatches ended sessions lasted (the hazard that a session ends where it is).
+    Learned from request arrivals (what the server sees): the gap after an agent's request
+    covers its own generation plus tool time or the hand-off to the next agent. A session whose
+    request has not finished (queued or running) is busy: it reads idle 0 and is never taken for
+    over. Also tracks each live session's last request and dispatch count, how often a request is
+    followed by another request of the same dispatch (an agent's tool loop), the rate at which
+    new sessions start, and how many dispatches ended sessions lasted (the hazard that a session
+    ends where it is). A session that timed out (``expire``) and comes back after all continues:
+    its gap is learned and its end taken back.
 
     Invariants: ``_hist[agent]`` holds decayed gap counts per bin (multiplied by
     ``_weight[agent]``), row ``_TOOL`` of the gaps within a dispatch and row ``_HANDOFF`` of
@@ -189,6 +194,8 @@ class SessionTiming:
         self._start_intervals: deque[float] = deque(maxlen=_START_WINDOW)
         self._start_interval = math.inf  # mean of the recent intervals between starts, pauses left out
         self._lengths = np.zeros(_MAX_LENGTH)  # decayed counts of ended sessions by dispatches
+        self._ends = 0  # sessions ended so far (the lengths decay once per end)
+        self._expired: OrderedDict[str, tuple[_Session, int]] = OrderedDict()  # timed out: (state, ends then)
         self._touched: set[str] | None = set()  # see ``take_touched``; None: more than max_sessions
         self.version = 0
 
@@ -197,6 +204,8 @@ class SessionTiming:
     def observe(self, session: str, agent: str, now: float, step: int | None = None) -> None:
         """A request of ``agent`` in ``session`` arrived at ``now``."""
         previous = self._sessions.pop(session, None)
+        if previous is None:
+            previous = self._revived(session)
         dispatches = 1
         if previous is None:
             self._note_start(now)
@@ -209,7 +218,8 @@ class SessionTiming:
                 told[0 if same_dispatch else 1] += 1.0
             counts[previous.agent] = counts.get(previous.agent, 0) + 1
             dispatches = previous.dispatches + (not same_dispatch)
-        self._sessions[session] = _Session(agent, now, step, dispatches)
+        running = 1 if previous is None else previous.running + 1
+        self._sessions[session] = _Session(agent, now, step, dispatches, None, running)
         if len(self._sessions) > self.config.max_sessions:
             self._sessions.popitem(last=False)
         self._touch(session)
@@ -228,23 +238,57 @@ class SessionTiming:
         touched, self._touched = self._touched, set()
         return touched
 
+    def finished(self, session: str) -> None:
+        """A request of the session finished (answered, aborted or failed): it no longer keeps
+        the session busy."""
+        state = self._sessions.get(session)
+        if state is None:
+            return
+        self._sessions[session] = state._replace(running=max(0, state.running - 1))
+        self._touch(session)  # re-evaluated with the next evaluation: an answer alone need not start one
+
     def answered(self, session: str, tool_call: bool) -> None:
         """The session's last request finished; its answer was a tool call or not (a tool call
         brings the same agent back once the tool returns)."""
         state = self._sessions.get(session)
         if state is not None and state.tool_call is not tool_call:
-            self._sessions[session] = _Session(state.agent, state.seen, state.step, state.dispatches, tool_call)
+            self._sessions[session] = state._replace(tool_call=tool_call)
             self._touch(session)
             self.version += 1
 
     def end(self, session: str) -> None:
-        """The session is over (an event, or idle beyond its learned gaps): learn its length."""
+        """The session is over (an event said so): learn its length."""
+        self._expired.pop(session, None)
         state = self._sessions.pop(session, None)
         if state is not None:
-            self._lengths *= _LENGTH_DECAY
-            self._lengths[min(state.dispatches, _MAX_LENGTH) - 1] += 1.0
-            self._touch(session)
-            self.version += 1
+            self._count_end(session, state)
+
+    def expire(self, session: str) -> None:
+        """The session was idle beyond its learned gaps: learn its length, and remember it in case
+        it comes back (then ``observe`` takes the end back and learns the long gap)."""
+        state = self._sessions.pop(session, None)
+        if state is not None:
+            self._count_end(session, state)
+            self._expired[session] = (state, self._ends)
+            if len(self._expired) > _MAX_EXPIRED:
+                self._expired.popitem(last=False)
+
+    def _count_end(self, session: str, state: _Session) -> None:
+        self._lengths *= _LENGTH_DECAY
+        self._lengths[min(state.dispatches, _MAX_LENGTH) - 1] += 1.0
+        self._ends += 1
+        self._touch(session)
+        self.version += 1
+
+    def _revived(self, session: str) -> _Session | None:
+        """The state of a session that timed out and came back, its counted end taken back."""
+        found = self._expired.pop(session, None)
+        if found is None:
+            return None
+        state, ends = found
+        bin_ = min(state.dispatches, _MAX_LENGTH) - 1
+        self._lengths[bin_] = max(0.0, self._lengths[bin_] - _LENGTH_DECAY ** (self._ends - ends))
+        return state._replace(running=0)
 
     def end_hazards(self) -> np.ndarray:
         """``h[n - 1]`` = P(a session ends after its n-th dispatch | it lasted that long), learned
@@ -307,15 +351,18 @@ class SessionTiming:
         return len(self._hist)
 
     def sessions(self) -> list[tuple[str, str, float, int, float | None]]:
-        """(session, current agent, last arrival, dispatches so far, P(its dispatch goes on) given
-        what its last answer was (None: not told)) of every live session, oldest first."""
+        """(session, current agent, last arrival (infinity while a request runs), dispatches so far,
+        P(its dispatch goes on) given what its last answer was (None: not told)) of every live
+        session, oldest first."""
         return list(zip(*self.live(), strict=True))
 
     def live(self) -> LiveSessions:
         """The live sessions as columns (what ``score_reuse`` reads), oldest first."""
         if not self._sessions:
             return LiveSessions((), (), (), (), ())
-        agents, seen, _, dispatches, tool_calls = zip(*self._sessions.values(), strict=True)
+        agents, seen, _, dispatches, tool_calls, running = zip(*self._sessions.values(), strict=True)
+        if any(running):
+            seen = tuple(math.inf if busy else at for at, busy in zip(seen, running, strict=True))
         going_on: Sequence[float | None] = tool_calls
         if tool_calls.count(None) != len(tool_calls):
             told: dict[tuple[str, bool], float] = {}  # once per agent and answer kind
@@ -332,10 +379,6 @@ class SessionTiming:
         if state is None or state.step is None:
             return 0
         return state.step if state.agent == agent else state.step + 1
-
-    def last_seen(self, session: str) -> float | None:
-        state = self._sessions.get(session)
-        return None if state is None else state.seen
 
     def told(self, session: str) -> bool | None:
         """Whether the session's last answer was a tool call, as the server was told (None: not told)."""

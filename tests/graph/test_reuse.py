@@ -353,3 +353,20 @@ def test_a_request_without_a_step_continues_the_dispatch_of_its_agent():
     assert timing.implied_step("s", "a") == 0 and timing.implied_step("s", "b") == 1
     timing.observe("s", "b", 1.0, 1)
     assert timing.implied_step("s", "a") == 2
+
+
+def test_a_busy_session_is_idle_0_and_a_timed_out_one_that_returns_continues():
+    timing = SessionTiming()
+    timing.observe("s", "a", 0.0, 0)
+    assert timing.live().seen == (math.inf,)  # its request waits or runs: idle 0, whatever the time
+    timing.finished("s")
+    assert timing.live().seen == (0.0,)  # idle since its arrival, as the gaps are counted
+    timing.observe("s", "b", 4.0, 1)
+    timing.finished("s")
+    timing.expire("s")  # idle beyond its gaps: counted as ended after 2 dispatches ...
+    assert timing.live().names == () and timing._lengths[1] == pytest.approx(1.0)
+    timing.observe("s", "a", 100.0, 2)  # ... until it comes back: the end is taken back, the gap learned
+    assert timing.live().dispatches == (3,) and timing._lengths.sum() == pytest.approx(0.0)
+    table = timing.table()
+    survival = table.split_at(np.array([table.row("b")]), np.array([50.0]))[2]
+    assert timing.gaps == 2 and survival[0] > 0.3  # b's 96 s gap to the return is in its hand-off gaps

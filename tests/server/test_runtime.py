@@ -264,3 +264,23 @@ def test_a_tool_loop_counts_one_dispatch_whether_or_not_the_client_sends_steps(s
     assert learner.counts()[coder, coder] == 0  # no coder -> coder transition learned from the loop
     assert runtime.timing.sessions()[0][3] == 4
     assert runtime.timing.continuation("coder") == pytest.approx(2 / 3)  # two calls went on, one handed off
+
+
+def test_a_session_waiting_for_its_request_is_never_taken_for_abandoned():
+    now = [0.0]
+    kv, runtime = manager(512), AgentKVRuntime(RuntimeConfig(), clock=lambda: now[0])
+    runtime.install(kv)
+    for s in range(12):  # sessions that call every ~1 s: gaps of about a second are learned
+        for step, agent in enumerate(AGENTS):
+            now[0] += 1.0
+            tag = AgentTag(agent, f"quick-{s}", "" if step == 0 else AGENTS[step - 1], step)
+            run(kv, runtime, request(anchor(agent) + [s, step] * BS, tag))
+    slow = request(anchor("coder") + [99] * 64, AgentTag("coder", "slow", "", 0))
+    runtime.on_add_request(slow)  # admitted, then waits (a long queue, a long prompt) ...
+    now[0] += 600.0
+    runtime.refresh()
+    assert "slow" in runtime.table.sessions and "slow" not in runtime.table.dead
+    serve_once(kv, slow)  # ... and is answered: idle from now on
+    now[0] += 600.0
+    runtime.refresh()
+    assert "slow" in runtime.table.dead
