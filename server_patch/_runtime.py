@@ -187,6 +187,18 @@ class AgentKVRuntime(RuntimeControl):
             return free(request, *args, **kwargs)
 
         manager.free = free_observed  # type: ignore[method-assign]
+        # With a KV connector that may still write a finished request's blocks, the scheduler
+        # takes them with ``pop_blocks_for_free`` and returns them to the pool later, never
+        # through ``free``: the request has finished all the same.
+        pop_blocks_for_free = getattr(manager, "pop_blocks_for_free", None)
+        if pop_blocks_for_free is not None:
+            @functools.wraps(pop_blocks_for_free)
+            def pop_blocks_for_free_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
+                if request.is_finished():
+                    self._finished(request)
+                return pop_blocks_for_free(request, *args, **kwargs)
+
+            manager.pop_blocks_for_free = pop_blocks_for_free_observed  # type: ignore[method-assign]
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
         manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]

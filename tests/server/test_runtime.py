@@ -12,7 +12,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from agentkv.bench.kv_manager import make_manager, serve_once
 from agentkv.graph import History, ReuseConfig
@@ -284,3 +284,25 @@ def test_a_session_waiting_for_its_request_is_never_taken_for_abandoned():
     now[0] += 600.0
     runtime.refresh()
     assert "slow" in runtime.table.dead
+
+
+def test_a_request_whose_blocks_are_freed_later_still_finishes_its_session():
+    # the scheduler's deferred free (a KV connector may still write the blocks): pop, free later
+    now = [0.0]
+    kv, runtime = manager(512), AgentKVRuntime(RuntimeConfig(), clock=lambda: now[0])
+    runtime.install(kv)
+    for s in range(12):
+        for step, agent in enumerate(AGENTS):
+            now[0] += 1.0
+            tag = AgentTag(agent, f"quick-{s}", "" if step == 0 else AGENTS[step - 1], step)
+            run(kv, runtime, request(anchor(agent) + [s, step] * BS, tag))
+    late = request(anchor("coder") + [98] * 64, AgentTag("coder", "late", "", 0))
+    runtime.on_add_request(late)
+    computed, hits, _ = kv.get_computed_blocks(late)
+    assert kv.allocate_slots(late, late.num_tokens - hits, hits, computed) is not None
+    late.status = RequestStatus.FINISHED_STOPPED
+    blocks = kv.pop_blocks_for_free(late)
+    kv.block_pool.free_blocks(reversed(blocks))
+    now[0] += 600.0
+    runtime.refresh()
+    assert "late" in runtime.table.dead  # answered, then idle: not kept busy by the deferred free
