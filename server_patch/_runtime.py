@@ -268,6 +268,9 @@ class AgentKVRuntime(RuntimeControl):
     # -- scheduler events ----------------------------------------------------------
 
     def on_add_request(self, request: Request) -> None:
+        if request.request_id in self._tags:
+            # vLLM adds a streaming-input request again with each input chunk: one call, counted once
+            return
         tag = self.tag_of(request)
         if tag is None:
             return

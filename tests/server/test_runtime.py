@@ -306,3 +306,29 @@ def test_a_request_whose_blocks_are_freed_later_still_finishes_its_session():
     now[0] += 600.0
     runtime.refresh()
     assert "late" in runtime.table.dead  # answered, then idle: not kept busy by the deferred free
+
+
+def test_a_streaming_input_request_added_again_with_each_chunk_counts_as_one_call():
+    # vLLM's scheduler gets the same request id again for each input chunk of a streaming-input
+    # request; the call is one dispatch, and it stops keeping its session busy when it finishes
+    now = [0.0]
+    kv, runtime = manager(512), AgentKVRuntime(RuntimeConfig(), clock=lambda: now[0])
+    runtime.install(kv)
+    for s in range(12):
+        for step, agent in enumerate(AGENTS):
+            now[0] += 1.0
+            tag = AgentTag(agent, f"quick-{s}", "" if step == 0 else AGENTS[step - 1], step)
+            run(kv, runtime, request(anchor(agent) + [s, step] * BS, tag))
+    dispatches = runtime.learner.dispatches
+    tag = AgentTag("coder", "live", "", 0)
+    first = request(anchor("coder") + [97] * BS, tag)
+    runtime.on_add_request(first)
+    params = SamplingParams(max_tokens=1, extra_args=tag.to_xargs())
+    chunk = Request(first.request_id, first.prompt_token_ids + [96] * BS, params, None, block_hasher=HASHER,
+                    session_id="live")
+    runtime.on_add_request(chunk)  # the next input chunk of the same request
+    assert runtime.learner.dispatches == dispatches + 1
+    serve_once(kv, first)
+    now[0] += 600.0
+    runtime.refresh()
+    assert "live" in runtime.table.dead  # answered, then idle: not kept busy by the second add
