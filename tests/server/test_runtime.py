@@ -266,15 +266,22 @@ def test_a_tool_loop_counts_one_dispatch_whether_or_not_the_client_sends_steps(s
     assert runtime.timing.continuation("coder") == pytest.approx(2 / 3)  # two calls went on, one handed off
 
 
-def test_a_session_waiting_for_its_request_is_never_taken_for_abandoned():
+def quick_sessions() -> tuple[list[float], KVCacheManager, AgentKVRuntime]:
+    """A runtime on a manual clock that has seen 12 pipeline sessions calling every ~1 s (gaps of
+    about a second are learned): (the clock, the manager, the runtime)."""
     now = [0.0]
     kv, runtime = manager(512), AgentKVRuntime(RuntimeConfig(), clock=lambda: now[0])
     runtime.install(kv)
-    for s in range(12):  # sessions that call every ~1 s: gaps of about a second are learned
+    for s in range(12):
         for step, agent in enumerate(AGENTS):
             now[0] += 1.0
             tag = AgentTag(agent, f"quick-{s}", "" if step == 0 else AGENTS[step - 1], step)
             run(kv, runtime, request(anchor(agent) + [s, step] * BS, tag))
+    return now, kv, runtime
+
+
+def test_a_session_waiting_for_its_request_is_never_taken_for_abandoned():
+    now, kv, runtime = quick_sessions()
     slow = request(anchor("coder") + [99] * 64, AgentTag("coder", "slow", "", 0))
     runtime.on_add_request(slow)  # admitted, then waits (a long queue, a long prompt) ...
     now[0] += 600.0
@@ -288,14 +295,7 @@ def test_a_session_waiting_for_its_request_is_never_taken_for_abandoned():
 
 def test_a_request_whose_blocks_are_freed_later_still_finishes_its_session():
     # the scheduler's deferred free (a KV connector may still write the blocks): pop, free later
-    now = [0.0]
-    kv, runtime = manager(512), AgentKVRuntime(RuntimeConfig(), clock=lambda: now[0])
-    runtime.install(kv)
-    for s in range(12):
-        for step, agent in enumerate(AGENTS):
-            now[0] += 1.0
-            tag = AgentTag(agent, f"quick-{s}", "" if step == 0 else AGENTS[step - 1], step)
-            run(kv, runtime, request(anchor(agent) + [s, step] * BS, tag))
+    now, kv, runtime = quick_sessions()
     late = request(anchor("coder") + [98] * 64, AgentTag("coder", "late", "", 0))
     runtime.on_add_request(late)
     computed, hits, _ = kv.get_computed_blocks(late)
@@ -311,14 +311,7 @@ def test_a_request_whose_blocks_are_freed_later_still_finishes_its_session():
 def test_a_streaming_input_request_added_again_with_each_chunk_counts_as_one_call():
     # vLLM's scheduler gets the same request id again for each input chunk of a streaming-input
     # request; the call is one dispatch, and it stops keeping its session busy when it finishes
-    now = [0.0]
-    kv, runtime = manager(512), AgentKVRuntime(RuntimeConfig(), clock=lambda: now[0])
-    runtime.install(kv)
-    for s in range(12):
-        for step, agent in enumerate(AGENTS):
-            now[0] += 1.0
-            tag = AgentTag(agent, f"quick-{s}", "" if step == 0 else AGENTS[step - 1], step)
-            run(kv, runtime, request(anchor(agent) + [s, step] * BS, tag))
+    now, kv, runtime = quick_sessions()
     dispatches = runtime.learner.dispatches
     tag = AgentTag("coder", "live", "", 0)
     first = request(anchor("coder") + [97] * BS, tag)
