@@ -178,27 +178,21 @@ class AgentKVRuntime(RuntimeControl):
                 self.trace.admitted(request.request_id, tag, request.num_tokens, num_hits, request.block_hashes,
                                     self.block_size, pool.num_gpu_blocks - 1)  # block 0 is vLLM's null block
 
-        free = manager.free
+        def finish_observed(release: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(release)
+            def observed(request: Request, *args: Any, **kwargs: Any) -> Any:
+                if request.is_finished():  # a preempted request is freed too, and finishes later
+                    self._finished(request)
+                return release(request, *args, **kwargs)
 
-        @functools.wraps(free)
-        def free_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
-            if request.is_finished():  # a preempted request is freed too, and finishes later
-                self._finished(request)
-            return free(request, *args, **kwargs)
+            return observed
 
-        manager.free = free_observed  # type: ignore[method-assign]
+        manager.free = finish_observed(manager.free)  # type: ignore[method-assign]
         # With a KV connector that may still write a finished request's blocks, the scheduler
         # takes them with ``pop_blocks_for_free`` and returns them to the pool later, never
         # through ``free``: the request has finished all the same.
-        pop_blocks_for_free = getattr(manager, "pop_blocks_for_free", None)
-        if pop_blocks_for_free is not None:
-            @functools.wraps(pop_blocks_for_free)
-            def pop_blocks_for_free_observed(request: Request, *args: Any, **kwargs: Any) -> Any:
-                if request.is_finished():
-                    self._finished(request)
-                return pop_blocks_for_free(request, *args, **kwargs)
-
-            manager.pop_blocks_for_free = pop_blocks_for_free_observed  # type: ignore[method-assign]
+        if hasattr(manager, "pop_blocks_for_free"):
+            manager.pop_blocks_for_free = finish_observed(manager.pop_blocks_for_free)  # type: ignore[method-assign]
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
         manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]
