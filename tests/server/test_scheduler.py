@@ -1,13 +1,16 @@
 """agentkv's schedulers as the engine runs them: vLLM's own ``Scheduler`` and ``AsyncScheduler``
 (the default on a GPU) with the extension, driven step by step through ``add_request``,
-``schedule``, ``update_from_output`` and ``finish_requests``. No model runs: each step's
-``ModelRunnerOutput`` samples one token per scheduled request; every scheduling, preemption and
-cache decision is vLLM's. The control channel is the real one (``AGENTKV_CONTROL``).
+``schedule``, ``update_from_output`` and ``finish_requests``; the async one also pipelined as
+vLLM's EngineCore runs it (the next step scheduled before the last one's output is in). No model
+runs: each step's ``ModelRunnerOutput`` samples one token per scheduled request; every
+scheduling, preemption and cache decision is vLLM's. The control channel is the real one
+(``AGENTKV_CONTROL``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -30,8 +34,8 @@ from .test_runtime import AGENTS, ANCHOR_BLOCKS, BS, HASHER, NUM_BLOCKS, pipelin
 
 MAX_MODEL_LEN = 4096
 SAMPLED = 7  # the token every step "samples"
-# (agentkv's scheduler, vLLM's scheduler it extends)
-KINDS = {"sync": (AgentKVScheduler, Scheduler), "async": (AgentKVAsyncScheduler, AsyncScheduler)}
+# (agentkv's scheduler, vLLM's scheduler it extends, steps in flight as vLLM's EngineCore runs it)
+KINDS = {"sync": (AgentKVScheduler, Scheduler, 1), "async": (AgentKVAsyncScheduler, AsyncScheduler, 2)}
 
 
 @pytest.fixture
@@ -78,34 +82,45 @@ def request(request_id: str, tokens: list[int], tag: AgentTag | None, max_tokens
                    session_id=None if tag is None else tag.session)
 
 
-def step(scheduler: Scheduler) -> dict[str, int]:
-    """One engine step: schedule, then one sampled token for every request scheduled. The
-    requests scheduled for the first time, with the prompt tokens they found cached."""
-    scheduled = scheduler.schedule()
+def sampled(scheduled: SchedulerOutput) -> ModelRunnerOutput:
+    """The model's output for a step: one token for every request scheduled."""
     ids = list(scheduled.num_scheduled_tokens)
-    output = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                               sampled_token_ids=[[SAMPLED] for _ in ids])
-    scheduler.update_from_output(scheduled, output)
-    return {new.req_id: new.num_computed_tokens for new in scheduled.scheduled_new_reqs}
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                             sampled_token_ids=[[SAMPLED] for _ in ids])
 
 
-def serve(scheduler: Scheduler, req: Request) -> int:
-    """Add ``req`` and run steps until it finished; the prompt tokens it found cached."""
-    scheduler.add_request(req)
-    cached = None
-    for _ in range(100):
-        cached = step(scheduler).get(req.request_id, cached)
-        if req.is_finished():
-            assert cached is not None
+def step(scheduler: Scheduler) -> None:
+    """One engine step: schedule, then apply the model's output."""
+    scheduled = scheduler.schedule()
+    scheduler.update_from_output(scheduled, sampled(scheduled))
+
+
+def run(scheduler: Scheduler, in_flight: int) -> dict[str, int]:
+    """Steps until every request finished, as ``EngineCore.step_with_batch_queue``: a new step is
+    scheduled while fewer than ``in_flight`` are out and there is work, else the oldest one's
+    output is applied. The prompt tokens each request found cached when first scheduled."""
+    cached: dict[str, int] = {}
+    out: deque[SchedulerOutput] = deque()
+    for _ in range(1000):
+        if not (scheduler.has_requests() or out):
             return cached
-    raise AssertionError(f"{req.request_id} did not finish in 100 steps")
+        if scheduler.has_requests():
+            scheduled = scheduler.schedule()
+            cached.update((new.req_id, new.num_computed_tokens) for new in scheduled.scheduled_new_reqs)
+            out.append(scheduled)
+            if len(out) < in_flight and (scheduled.total_num_scheduled_tokens > 0 or scheduler.has_requests()):
+                continue
+        done = out.popleft()
+        scheduler.update_from_output(done, sampled(done))
+    raise AssertionError("requests left after 1000 engine steps")
 
 
-def replay(scheduler: Scheduler, control: str | None, n_sessions: int) -> list[tuple[str, int]]:
+def replay(scheduler: Scheduler, in_flight: int, control: str | None, n_sessions: int) -> list[tuple[str, int]]:
     """test_runtime's pipeline sessions, each ended over the control channel (agentkv only)."""
     hits = []
     for number, (session, agent, tokens, tag) in enumerate(pipeline_sessions(n_sessions)):
-        hits.append((session, serve(scheduler, request(f"r{number}", tokens, tag))))
+        scheduler.add_request(request(f"r{number}", tokens, tag))
+        hits.append((session, run(scheduler, in_flight)[f"r{number}"]))
         if control is not None and agent == AGENTS[-1]:
             payload = {"version": 1, "events": [{"type": "session_end", "session": session}]}
             assert ask_blocking(control, {"op": "events", "payload": payload}) == {"accepted": 1, "duplicates": 0}
@@ -120,10 +135,10 @@ def busy_sessions(scheduler: AgentKVScheduler) -> set[str]:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_scheduler_keeps_every_anchor_where_vllms_own_cycles_them_out(make, control, kind):
-    ours, theirs = KINDS[kind]
-    vanilla = replay(make(theirs, NUM_BLOCKS), None, 6)
+    ours, theirs, in_flight = KINDS[kind]
+    vanilla = replay(make(theirs, NUM_BLOCKS), in_flight, None, 6)
     scheduler = make(ours, NUM_BLOCKS)
-    scored = replay(scheduler, control, 6)
+    scored = replay(scheduler, in_flight, control, 6)
     # from the third session on (anchors are learned from two sessions), every call hits its anchor
     assert [hit for session, hit in scored if session not in ("s0", "s1")] == [ANCHOR_BLOCKS * BS] * 16
     assert sum(hit for _, hit in vanilla) == 0  # the cyclic working set is larger than the cache
