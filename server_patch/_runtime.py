@@ -324,7 +324,8 @@ class AgentKVRuntime(RuntimeControl):
                 # same facts, so the same sessions retired: only sessions whose rates moved re-score
                 changed = table.changed_sessions(self._scored_table)
             # a live view's membership test, in C: it runs for every history group re-scored
-            self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED)
+            self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED,
+                                        current=self.timing.agent_of)
         self._scored_policy = scored
         self._scored_table = table if policy != "lru" else None
         for queue in self.queues:

@@ -131,8 +131,11 @@ class ReuseTable:
 
     ``anchor_rate[a]``: expected rate (1/s) of the next use of agents[a]'s anchor by any live or
     new session; ``session_rate[s, a]``: rate of the next use of agent a's prefix in live session
-    sessions[s] (its history behind a's anchor). Invariant: session_rate[s, a] <= anchor_rate[a],
-    so a history block never outranks the anchor blocks it extends. When not ``predictable``
+    sessions[s] (its history behind a's anchor), evaluated while the session was at agent
+    agents[session_agents[s]]; ``dispatched_rate[d, a]``: the same for a session that has just
+    dispatched agents[d] (what a session that moved on since, or started since, is scored by).
+    Invariant: session_rate[s, a] <= anchor_rate[a] (and a history scored by ``dispatched_rate`` is
+    capped at its anchor's), so a history block never outranks the anchor blocks it extends. When not ``predictable``
     every tagged group scores 0.0 (pure recency).
     """
 
@@ -141,6 +144,8 @@ class ReuseTable:
     anchor_rate: np.ndarray
     sessions: dict[str, int]
     session_rate: np.ndarray
+    session_agents: np.ndarray
+    dispatched_rate: np.ndarray
     dead: tuple[str, ...]
     steps: int
     horizon_s: float
@@ -154,9 +159,17 @@ class ReuseTable:
         return self.scorer()(group)
 
     def scorer(self, retired: Callable[[str], bool] | None = None,
-               retired_score: float = -math.inf) -> Callable[[Group], float]:
+               retired_score: float = -math.inf,
+               current: Callable[[str], str | None] | None = None) -> Callable[[Group], float]:
         """A fast ``score`` for the eviction path; sessions that ``retired(session)`` says are
         over score ``retired_score`` (a fact outranks the model, also while it is not predictable).
+
+        ``current(session)`` names the agent a session dispatched last (None: unknown). The table
+        lags the sessions by up to a refresh interval: the history of a session that dispatched
+        another agent since (or started since) is scored as just dispatched by that agent, never
+        above what its row says. Without it a fast session's new history keeps the value of the
+        dispatch it just made ("this agent is next") and outranks anchors, or, for a session
+        started since, is evicted first.
 
         Lookups are prepared here once per table, so that re-scoring a group costs a few
         dictionary reads and one array read (no list of every session's scores is built: a
@@ -172,6 +185,8 @@ class ReuseTable:
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
         session_logs = self._session_quantized  # read per group: a refresh re-scores few of them
+        dispatched_logs = self._dispatched_quantized
+        session_agents: list[int] = self.session_agents.tolist()
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
         columns: dict[frozenset[str], tuple[int, ...]] = {}
 
@@ -188,10 +203,16 @@ class ReuseTable:
                 if retired is not None and retired(session):
                     return retired_score
                 row = sessions.get(session)
-                if row is None:
-                    return _LOG_FLOOR
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
+                if current is not None and (agent := current(session)) is not None and (
+                        at := index.get(agent)) is not None and (row is None or at != session_agents[row]):
+                    moved = max((dispatched_logs.item(at, i) for i in found), default=_LOG_FLOOR)
+                    if row is None:
+                        return moved  # type: ignore[no-any-return]
+                    return min(moved, max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR))
+                if row is None:
+                    return _LOG_FLOOR
                 if len(found) == 1:
                     return session_logs.item(row, found[0])  # type: ignore[no-any-return]
                 return max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR)
@@ -213,6 +234,11 @@ class ReuseTable:
         """The quantized log rates of ``session_rate``: what a history group scores."""
         return _quantized(np.log(self.session_rate + _FLOOR))
 
+    @functools.cached_property
+    def _dispatched_quantized(self) -> np.ndarray:
+        """What the history of a session that just dispatched agents[d] scores, under its anchor."""
+        return _quantized(np.log(np.minimum(self.dispatched_rate, self.anchor_rate[None, :]) + _FLOOR))
+
     def changed_sessions(self, before: ReuseTable) -> set[str] | None:
         """The sessions whose history groups may score otherwise under this table than under
         ``before`` (with the same ``retired``), or None when any group may (other agents, or
@@ -225,6 +251,8 @@ class ReuseTable:
             return changed.union(names)
         rows = np.array(list(map(before.sessions.get, names, itertools.repeat(-1))), dtype=np.intp)
         moved = (self._session_quantized != before._session_quantized[rows]).any(axis=1) | (rows < 0)
+        # a session that had moved on under ``before`` (scored as just dispatched) is scored by its own row now
+        moved |= before.session_agents[rows] != self.session_agents
         changed.update(names[i] for i in np.flatnonzero(moved).tolist())
         return changed
 
@@ -312,14 +340,22 @@ def score_reuse(
             copied, evaluated = np.flatnonzero(kept), np.flatnonzero(~kept).tolist()
     session_rate = np.empty((known, n))
     dead: tuple[str, ...] = ()
-    if len(evaluated):
+    # the rows of one session per agent that has just dispatched it (idle 0, its first dispatch):
+    # what the history of a session that moved on since this table scores by; the same chain, gaps
+    # and hazard give the same rows (a partial evaluation copies them)
+    dispatched = previous.dispatched_rate if copied is not None else np.zeros((0, n))
+    if len(evaluated) or (copied is None and n):
         part = live if copied is None else live.select(evaluated)
-        rates, still = session_rates(chain, gaps, part, chain_rows if copied is None else
-                                     [chain_rows[i] for i in evaluated], now=now, continuation=continuation,
+        rows = chain_rows if copied is None else [chain_rows[i] for i in evaluated]
+        if copied is None:  # evaluated along with the live sessions: one pass
+            part = LiveSessions((*names, *chain.agents), (*part.agents, *chain.agents), (*part.seen, *(now,) * n),
+                                (*part.dispatches, *(1,) * n), (*part.going_on, *(None,) * n))
+            rows = [*rows, *range(n)]
+        rates, still = session_rates(chain, gaps, part, rows, now=now, continuation=continuation,
                                      interposed=interposed, hazard=hazard, passage=passage, resolution=resolution,
                                      median_gap=median_gap, ahead=ahead, end_floor=config.end_floor)
         if copied is None:
-            session_rate = rates
+            dispatched, session_rate, still = rates[known:], rates[:known], still[:known]
         else:
             session_rate[evaluated] = rates
         if gap_count >= config.min_gaps:  # P(a gap this long | the request's kind) below the tail: abandoned
@@ -351,6 +387,8 @@ def score_reuse(
         anchor_rate=anchor_rate,
         sessions=positions,
         session_rate=session_rate,
+        session_agents=np.array(chain_rows, dtype=np.intp),
+        dispatched_rate=dispatched,
         dead=dead,
         steps=steps,
         horizon_s=steps * median_gap,

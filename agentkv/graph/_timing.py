@@ -380,6 +380,11 @@ class SessionTiming:
             return 0
         return state.step if state.agent == agent else state.step + 1
 
+    def agent_of(self, session: str) -> str | None:
+        """The agent of the session's last request (None: not a live session)."""
+        state = self._sessions.get(session)
+        return None if state is None else state.agent
+
     def told(self, session: str) -> bool | None:
         """Whether the session's last answer was a tool call, as the server was told (None: not told)."""
         state = self._sessions.get(session)

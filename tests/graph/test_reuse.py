@@ -370,3 +370,25 @@ def test_a_busy_session_is_idle_0_and_a_timed_out_one_that_returns_continues():
     table = timing.table()
     survival = table.split_at(np.array([table.row("b")]), np.array([50.0]))[2]
     assert timing.gaps == 2 and survival[0] > 0.3  # b's 96 s gap to the return is in its hand-off gaps
+
+
+def test_a_session_that_moved_on_since_the_table_scores_as_just_dispatched_not_as_before():
+    # a ring x -> y -> z -> x: the table saw session "s" at x; it has called y since (faster than
+    # a refresh), and "new" started at x since. The row of "s" says y is next: its new history
+    # behind y would outrank anchors; once y is dispatched, y is three dispatches away.
+    learner = _learned({("x", "y"): 200, ("y", "z"): 200, ("z", "x"): 200})
+    timing = _timing(1.0, "xyz")
+    table = _table(learner, timing, [("s", "x", 100.0)], now=100.0)
+    just = {agent: table.dispatched_rate[table.index[agent]] for agent in "xyz"}
+    assert just["y"][table.index["z"]] > just["y"][table.index["y"]]  # after y: z is next, y three dispatches on
+    stale = table.scorer()
+    current = {"s": "y", "new": "x"}.get
+    score = table.scorer(current=current)
+    y_history, z_history = History("s", frozenset("y")), History("s", frozenset("z"))
+    assert score(y_history) < stale(y_history) - 0.5  # no longer "y is next"
+    assert score(y_history) == pytest.approx(math.log(just["y"][table.index["y"]]), abs=0.06)
+    assert score(z_history) <= stale(z_history)  # never above what its row says
+    assert score(History("new", frozenset("y"))) == pytest.approx(math.log(just["x"][table.index["y"]]), abs=0.06)
+    assert stale(History("new", frozenset("y"))) < score(History("new", frozenset("y")))  # not the floor
+    assert score(History("s", frozenset("x"))) <= score(Anchor(frozenset("x")))
+    assert table.scorer(current={"s": "x"}.get)(y_history) == stale(y_history)  # it did not move: its row

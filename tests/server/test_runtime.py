@@ -101,7 +101,7 @@ def test_survival_keeps_every_anchor_where_lru_cycles_them_out():
     assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["retired"]
 
 
-@pytest.mark.parametrize("gap", [0.01, 0.02, 0.2, 2.0])
+@pytest.mark.parametrize("gap", [0.0005, 0.001, 0.002, 0.01, 0.02, 0.2, 2.0])
 def test_sessions_calling_faster_than_the_refresh_interval_keep_their_anchors(gap):
     """The default ``refresh_interval`` (0.1 s) must not leave a stale model in charge when a
     session's calls come faster than that (a fast engine, short answers): every anchor is kept."""
