@@ -66,8 +66,12 @@ def test_learned_model_stays_a_probability_model_and_history_never_outranks_its_
     assert np.isfinite(table.anchor_rate).all() and (table.anchor_rate >= 0).all()
     assert np.isfinite(table.session_rate).all() and (table.session_rate >= 0).all()
     assert (table.session_rate <= table.anchor_rate[None, :] + 1e-9).all()
-    for session in table.sessions:
+    assert np.isfinite(table.dispatched_rate).all() and (table.dispatched_rate >= 0).all()
+    # also scored as having moved on to any agent since the table (or started since: "new")
+    moved = [table.scorer(current=lambda session, agent=agent: agent) for agent in chain.agents]
+    for session in [*table.sessions, "new"]:
         for agents in ({"a"}, {"a", "b"}, {"c"}):
             group = frozenset(agents)
-            assert table.score(History(session, group)) <= table.score(Anchor(group)) + 1e-9
+            for score in (table.score, *moved):
+                assert score(History(session, group)) <= table.score(Anchor(group)) + 1e-9
     assert all(0.0 <= table.survival(agent) <= 1.0 for agent in chain.agents)
