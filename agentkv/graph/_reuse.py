@@ -135,8 +135,8 @@ class ReuseTable:
     agents[session_agents[s]]; ``dispatched_rate[d, a]``: the same for a session that has just
     dispatched agents[d] (what a session that moved on since, or started since, is scored by).
     Invariant: session_rate[s, a] <= anchor_rate[a] (and a history scored by ``dispatched_rate`` is
-    capped at its anchor's), so a history block never outranks the anchor blocks it extends. When not ``predictable``
-    every tagged group scores 0.0 (pure recency).
+    capped at its anchor's), so a history block never outranks the anchor blocks it extends. When
+    not ``predictable`` every tagged group scores 0.0 (pure recency).
     """
 
     agents: tuple[str, ...]
