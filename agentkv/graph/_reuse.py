@@ -205,17 +205,17 @@ class ReuseTable:
                 row = sessions.get(session)
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
+                if row is None:
+                    own = _LOG_FLOOR
+                elif len(found) == 1:
+                    own = session_logs.item(row, found[0])
+                else:
+                    own = max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR)
                 if current is not None and (agent := current(session)) is not None and (
                         at := index.get(agent)) is not None and (row is None or at != session_agents[row]):
                     moved = max((dispatched_logs.item(at, i) for i in found), default=_LOG_FLOOR)
-                    if row is None:
-                        return moved  # type: ignore[no-any-return]
-                    return min(moved, max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR))
-                if row is None:
-                    return _LOG_FLOOR
-                if len(found) == 1:
-                    return session_logs.item(row, found[0])  # type: ignore[no-any-return]
-                return max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR)
+                    return moved if row is None else min(moved, own)  # type: ignore[no-any-return]
+                return own  # type: ignore[no-any-return]
             if kind is Anchor:
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
