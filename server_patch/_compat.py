@@ -26,7 +26,7 @@ _REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
         "get_all_free_blocks",
     ),
     "vllm.v1.core.block_pool:BlockPool": ("get_new_blocks", "free_blocks", "touch", "cache_full_blocks",
-                                         "get_cached_block", "get_num_free_blocks"),
+                                         "get_cached_block", "get_num_free_blocks", "reset_prefix_cache"),
     "vllm.v1.core.kv_cache_manager:KVCacheManager": ("get_computed_blocks", "record_prefix_cache_stats"),
     "vllm.v1.core.sched.scheduler:Scheduler": ("add_request", "schedule", "update_from_output", "finish_requests"),
 }

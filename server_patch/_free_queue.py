@@ -60,8 +60,9 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
        When enabled, list order is NOT eviction order inside the tail (vLLM's
        simple_kv_offload lazy mode walks ``iter_blocks_after`` as if it were).
     2. Each tail-segment block belongs to exactly one group (``group_of`` is
-       called once, when the block is appended) and has ``t_free = clock()``
-       and a globally increasing ``seq``. Front-segment blocks have no group.
+       called once, when the block is appended; ``regroup`` may move it later,
+       as if freed again) and has ``t_free = clock()`` and a globally
+       increasing ``seq``. Front-segment blocks have no group.
     3. Eviction key of a tail block b in group g: ``(s_g + decay * t_free(b),
        seq(b))``, smallest first. It is log(p_g * exp(-decay * age)) plus the
        common term ``decay * now``, hence time-invariant. ``s_g = -inf``
@@ -189,6 +190,18 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             if len(heap) > 2 * len(self._groups) + _HEAP_SLACK:
                 self._rebuild_heap()
 
+    def regroup(self, blocks: Iterable[KVCacheBlock], key: K) -> int:
+        """File the tail-segment ones of ``blocks`` under group ``key`` as if freed now, e.g. blocks
+        whose hash was dropped while they were free. List order is untouched. Returns how many
+        blocks changed group."""
+        grouped = self._group_by_block
+        moved = [block for block in blocks if (group := grouped.get(block.block_id)) is not None and group.key != key]
+        if moved:
+            for block in moved:
+                self._detach(block)
+            self._file(((key, moved),))
+        return len(moved)
+
     def _checked_score(self, key: K) -> float:
         score = self._score_of(key)
         if math.isnan(score):
@@ -251,15 +264,18 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
     # --- side structures -------------------------------------------------
 
     def _attach(self, blocks: Sequence[KVCacheBlock]) -> None:
-        if not blocks:
-            return
+        if blocks:
+            self._file(itertools.groupby(blocks, self._group_of))  # a batch's blocks mostly share a group
+
+    def _file(self, runs: Iterable[tuple[K, Iterable[KVCacheBlock]]]) -> None:
+        """Add runs of (group key, blocks) to their groups, as freed now, in order."""
         # One clock read per batch: a chain freed together shares t_free, so
         # seq alone orders it (child before parent, as vLLM frees in reverse).
         base = self._decay * self._clock()
         groups, by_block = self._groups, self._group_by_block
         seq = self._seq
         try:
-            for key, run in itertools.groupby(blocks, self._group_of):  # a batch's blocks mostly share a group
+            for key, run in runs:
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = _Group(key, self._checked_score(key))

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import (
+    UNCACHED,
     GapTable,
     GraphFacts,
     Group,
@@ -28,6 +29,7 @@ from agentkv.graph import (
     SessionTiming,
     TransitionLearner,
     first_passage_steps,
+    recency_scorer,
     restore_or_fresh,
     score_reuse,
 )
@@ -123,7 +125,7 @@ class AgentKVRuntime(RuntimeControl):
         self._partial = 0  # evaluations since the last full one
         self._full_at = -math.inf  # when the last full one ran
         self._hazard: np.ndarray | None = None  # the end hazard of the last evaluation
-        self._scorer: Callable[[Group], float] = lambda group: 0.0
+        self._scorer: Callable[[Group], float] = recency_scorer()
         self._stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None = None  # (built at, changes, document)
 
     # -- wiring into vLLM ----------------------------------------------------------
@@ -187,6 +189,27 @@ class AgentKVRuntime(RuntimeControl):
 
             return observed
 
+        # A prefix-cache reset (``/reset_prefix_cache``) or a KV connector's invalidation drops the
+        # hashes of blocks that may be waiting in the free queue: they are worthless from then on.
+        reset_prefix_cache = pool.reset_prefix_cache
+
+        @functools.wraps(reset_prefix_cache)
+        def reset_prefix_cache_observed(*args: Any, **kwargs: Any) -> bool:
+            done = reset_prefix_cache(*args, **kwargs)
+            if done:
+                self._uncached(pool.blocks)
+            return done  # type: ignore[no-any-return]
+
+        pool.reset_prefix_cache = reset_prefix_cache_observed  # type: ignore[method-assign]
+        if hasattr(pool, "evict_blocks"):  # a KV connector's failed loads
+            evict_blocks = pool.evict_blocks
+
+            @functools.wraps(evict_blocks)
+            def evict_blocks_observed(block_ids: set[int], *args: Any, **kwargs: Any) -> None:
+                evict_blocks(block_ids, *args, **kwargs)
+                self._uncached([pool.blocks[block_id] for block_id in block_ids])
+
+            pool.evict_blocks = evict_blocks_observed  # type: ignore[method-assign]
         manager.free = finish_observed(manager.free)  # type: ignore[method-assign]
         # With a KV connector that may still write a finished request's blocks, the scheduler
         # takes them with ``pop_blocks_for_free`` and returns them to the pool later, never
@@ -196,6 +219,13 @@ class AgentKVRuntime(RuntimeControl):
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
         manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]
+
+    def _uncached(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Blocks that lost their hash while not in use: the free ones are recycled first."""
+        dropped = [block for block in blocks if block.block_hash is None and not block.is_null]
+        self.tracker.uncached(dropped)
+        for queue in self.queues:
+            queue.regroup(dropped, UNCACHED)
 
     def _finished(self, request: Request) -> None:
         """A request finished: it no longer keeps its session busy; a recognized one's answer is indexed."""
@@ -317,8 +347,7 @@ class AgentKVRuntime(RuntimeControl):
             return  # every group still scores 0.0 (or -inf if retired): nothing to redo
         changed: set[str] | None = None
         if policy == "lru":
-            self._scorer = lambda group: _RETIRED if type(group) is History and self.facts.is_ended(
-                group.session) else 0.0
+            self._scorer = recency_scorer(self.facts.ended.keys().__contains__, _RETIRED)
         else:
             if self._scored_policy == scored and self._scored_table is not None:
                 # same facts, so the same sessions retired: only sessions whose rates moved re-score

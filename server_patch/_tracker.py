@@ -105,6 +105,12 @@ class BlockTracker:
                 merged = self._merge(group, tag, inside)
             groups[block.block_id] = merged
 
+    def uncached(self, blocks: Iterable[_Block]) -> None:
+        """``blocks`` lost their hash without being evicted (a reset, an invalidation): forget them."""
+        groups = self._group
+        for block in blocks:
+            groups.pop(block.block_id, None)
+
     def group_of(self, block: _Block) -> Group:
         """The eviction group of a block: untagged unless tracked and still holding a hash."""
         if block.block_hash is None:

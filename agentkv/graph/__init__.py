@@ -9,13 +9,16 @@ from ._passage import first_passage_steps, first_passage_within
 from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PeerExport
 from ._predictor import ChainModel, Prediction, Predictor
 from ._reuse import (
+    UNCACHED,
     UNTAGGED,
     Anchor,
     Group,
     History,
     ReuseConfig,
     ReuseTable,
+    Uncached,
     Untagged,
+    recency_scorer,
     score_reuse,
 )
 from ._snapshot import SNAPSHOT_VERSION, SnapshotError, load_snapshot, restore_or_fresh, save_snapshot
@@ -27,6 +30,7 @@ __all__ = [
     "END",
     "SNAPSHOT_VERSION",
     "START",
+    "UNCACHED",
     "UNTAGGED",
     "Anchor",
     "ChainModel",
@@ -47,10 +51,12 @@ __all__ = [
     "SnapshotError",
     "TimingConfig",
     "TransitionLearner",
+    "Uncached",
     "Untagged",
     "first_passage_steps",
     "first_passage_within",
     "load_snapshot",
+    "recency_scorer",
     "restore_or_fresh",
     "save_snapshot",
     "score_reuse",

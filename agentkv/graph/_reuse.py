@@ -27,13 +27,16 @@ from ._session_rates import session_rates
 from ._timing import GapTable, LiveSessions
 
 __all__ = [
+    "UNCACHED",
     "UNTAGGED",
     "Anchor",
     "Group",
     "History",
     "ReuseConfig",
     "ReuseTable",
+    "Uncached",
     "Untagged",
+    "recency_scorer",
     "score_reuse",
 ]
 
@@ -55,8 +58,14 @@ class Untagged(NamedTuple):
     """Blocks of requests nobody described."""
 
 
+class Uncached(NamedTuple):
+    """Free blocks whose prefix-cache hash was dropped while they waited (a prefix-cache reset, a
+    KV connector's invalidation): no request can hit them, so they are recycled first."""
+
+
 UNTAGGED = Untagged()
-Group = Anchor | History | Untagged
+UNCACHED = Uncached()
+Group = Anchor | History | Untagged | Uncached
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +187,7 @@ class ReuseTable:
         and so the queue's heap, alone; ties go to recency.
         """
         if not self.predictable:
-            if retired is None:
-                return lambda group: 0.0
-            return lambda group: retired_score if type(group) is History and retired(group.session) else 0.0
+            return recency_scorer(retired, retired_score)
         index, sessions = self.index, self.sessions
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
@@ -223,6 +230,8 @@ class ReuseTable:
                     return anchor_logs[found[0]]
                 combined = _combined([anchor_rates[i] for i in found], self.resolution)
                 return math.floor(math.log(combined + _FLOOR) * _STEPS) / _STEPS
+            if kind is Uncached:
+                return -math.inf
             if not untagged:
                 untagged.append(self._untagged_score())
             return untagged[0]
@@ -272,6 +281,20 @@ class ReuseTable:
         if not self.predictable:
             return 1.0
         return 0.0 if i is None else float(-math.expm1(-float(self.anchor_rate[i]) * self.horizon_s))
+
+
+def recency_scorer(retired: Callable[[str], bool] | None = None,
+                   retired_score: float = -math.inf) -> Callable[[Group], float]:
+    """The scores of LRU: every group alike (ties go to recency), except what is known to be
+    worthless: uncached blocks and the history of sessions ``retired(session)`` says are over."""
+
+    def score(group: Group) -> float:
+        kind = type(group)
+        if kind is History and retired is not None and retired(group.session):  # type: ignore[union-attr]
+            return retired_score
+        return -math.inf if kind is Uncached else 0.0
+
+    return score
 
 
 def score_reuse(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from agentkv.graph import (
+    UNCACHED,
     UNTAGGED,
     Anchor,
     GraphFacts,
@@ -17,6 +18,7 @@ from agentkv.graph import (
     TransitionLearner,
     first_passage_steps,
     first_passage_within,
+    recency_scorer,
     score_reuse,
 )
 
@@ -200,6 +202,19 @@ def test_unpredictable_workloads_score_every_group_alike():
     table = _table(learner, _timing(1.0, "abc"), [("s", "a", 0.0)], now=1.0, r_min=0.2)
     assert not table.predictable
     assert {table.score(g) for g in (UNTAGGED, Anchor(frozenset("a")), History("s", frozenset("b")))} == {0.0}
+
+
+@pytest.mark.parametrize("predictable", [True, False])
+def test_uncached_blocks_go_first_whether_or_not_the_workload_is_predictable(predictable):
+    ring = {("a", "b"): 10, ("b", "c"): 10, ("c", "a"): 10}
+    learner = _learned(ring if predictable else {(x, y): 10 for x in "abc" for y in "abc"})
+    table = _table(learner, _timing(1.0, "abc"), [("s", "a", 0.0)], now=1.0, r_min=0.2)
+    assert table.predictable is predictable
+    others = (UNTAGGED, Anchor(frozenset("a")), History("s", frozenset("b")), History("over", frozenset("b")))
+    for score in (table.scorer(), table.scorer(retired={"over"}.__contains__, retired_score=-50.0)):
+        assert score(UNCACHED) == -math.inf < min(map(score, others))
+    lru = recency_scorer({"over"}.__contains__, -50.0)
+    assert [lru(g) for g in (UNCACHED, *others)] == [-math.inf, 0.0, 0.0, 0.0, -50.0]
 
 
 def test_interposed_agents_are_valued_before_every_dispatch():

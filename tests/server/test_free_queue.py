@@ -218,6 +218,30 @@ def test_retired_group_first_front_still_first() -> None:
     assert queue.num_free_blocks == 0 and not queue._groups
 
 
+def test_regroup_moves_free_blocks_without_touching_list_order() -> None:
+    pool = BlockPool(num_gpu_blocks=9, enable_caching=True, hash_block_size=BS)
+    clock, tags = Clock(), Tags()
+    queue = ScoredFreeBlockQueue.replace(pool, tags, clock=clock, decay=0.5)
+    blocks = pool.get_new_blocks(8)  # [1..8]
+    for index, start in enumerate(range(0, 8, 2)):  # four groups of two, freed one after the other
+        pair = blocks[start:start + 2]
+        pool.cache_full_blocks(make_request(f"r{index}", toks(100 * index, 2)), pair, 0, 2, BS, 0)
+        tags.tag([b.block_id for b in pair], f"g{index}")
+        pool.free_blocks(reversed(pair))
+        clock.t += 1.0
+    listed = free_ids_pool(pool)
+    assert listed == [2, 1, 4, 3, 6, 5, 8, 7]
+    queue.set_group_scores({"g0": 1.0, "g1": 1.0, "g2": 1.0, "g3": 1.0, "gone": -math.inf})
+    # blocks 4 and 6 (of g1, g2) move; an ungrouped or already moved block is left alone
+    assert queue.regroup([pool.blocks[4], pool.blocks[6], pool.blocks[0]], "gone") == 2
+    assert queue.regroup([pool.blocks[4]], "gone") == 0
+    check_segments(queue)
+    assert free_ids_pool(pool) == listed
+    order = [b.block_id for b in pool.get_new_blocks(8)]
+    assert order == [4, 6, 2, 1, 3, 5, 8, 7]  # the moved ones first, in the order given; then LRU
+    assert queue.num_free_blocks == 0 and not queue._groups
+
+
 def free_ids_pool(pool: BlockPool) -> list[int]:
     return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
 

@@ -51,9 +51,9 @@ def run(kv: KVCacheManager, runtime: AgentKVRuntime | None, req: Request) -> int
     return serve_once(kv, req)
 
 
-def pipeline_sessions(n_sessions: int, *, tagged: bool = True):
+def pipeline_sessions(n_sessions: int, *, tagged: bool = True, first: int = 0):
     """Sessions supervisor -> coder -> reviewer -> writer; each prompt = anchor + unique history."""
-    for s in range(n_sessions):
+    for s in range(first, first + n_sessions):
         session = f"s{s}"
         for step, agent in enumerate(AGENTS):
             start = 100_000 + (s * 4 + step) * 1000
@@ -63,9 +63,10 @@ def pipeline_sessions(n_sessions: int, *, tagged: bool = True):
             yield session, agent, anchor(agent) + history + [7], tag
 
 
-def replay(kv: KVCacheManager, runtime: AgentKVRuntime | None, n_sessions: int, *, tagged: bool = True):
+def replay(kv: KVCacheManager, runtime: AgentKVRuntime | None, n_sessions: int, *, tagged: bool = True,
+           first: int = 0):
     hits = []
-    for session, agent, tokens, tag in pipeline_sessions(n_sessions, tagged=tagged):
+    for session, agent, tokens, tag in pipeline_sessions(n_sessions, tagged=tagged, first=first):
         hits.append((session, agent, run(kv, runtime, request(tokens, tag))))
         if runtime is not None and tagged and agent == AGENTS[-1]:
             assert runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": session}]}) == {
@@ -99,6 +100,39 @@ def test_survival_keeps_every_anchor_where_lru_cycles_them_out():
     assert stats["agents"]["coder"]["anchor_length_blocks"] == ANCHOR_BLOCKS
     assert stats["agents"]["coder"]["hits"] == 4 * anchor_tokens
     assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["retired"]
+
+
+def test_after_a_prefix_cache_reset_the_anchors_are_kept_as_on_a_fresh_pool():
+    """A reset (``/reset_prefix_cache``) drops every hash but leaves the free queue as it was: the
+    blocks that held anchors are worthless from then on and must not be kept over the anchors
+    cached again after it."""
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))
+    runtime.install(kv)
+    replay(kv, runtime, 6)
+    evicted = runtime.stats()["evictions"]["anchor"]
+    assert kv.reset_prefix_cache()
+    hits = replay(kv, runtime, 6, first=6)
+    assert [hit for session, _, hit in hits if session == "s6"] == [0] * 4  # nothing is cached
+    # the anchors are learned already: from the next session on, every call hits its anchor
+    assert [hit for session, _, hit in hits if session != "s6"] == [ANCHOR_BLOCKS * BS] * 20
+    assert runtime.stats()["evictions"]["anchor"] == evicted == 0
+
+
+def test_blocks_a_kv_connector_invalidates_are_recycled_before_any_cached_block():
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))
+    runtime.install(kv)
+    replay(kv, runtime, 3)
+    pool = kv.block_pool
+    queue = pool.free_block_queue
+    free = queue.get_all_free_blocks()
+    front = [b for b in free if b.block_hash is None]  # vLLM recycles hash-less blocks first anyway
+    kept = next(b for b in reversed(free) if b.block_hash is not None)  # the last cached block freed
+    pool.evict_blocks({kept.block_id})  # e.g. a failed KV load: its hash is dropped, it stays free
+    assert kept.block_hash is None and queue.num_free_blocks == len(free)
+    taken = pool.get_new_blocks(len(front) + 1)
+    assert taken[-1] is kept
 
 
 @pytest.mark.parametrize("gap", [0.0005, 0.001, 0.002, 0.01, 0.02, 0.2, 2.0])
