@@ -25,6 +25,7 @@ logger = logging.getLogger("agentkv.server")
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 _MAX_LOGGED_KINDS = 16
+_PROBE_TIMEOUT = 1.0  # s: how long a socket file's owner has to answer before the file counts as stale
 
 
 class ControlUnavailable(RuntimeError):
@@ -58,6 +59,15 @@ class ControlServer:
 
     def _serve(self) -> None:
         context = zmq.Context.instance()
+        if _answered(self.endpoint):
+            # binding an ipc path takes it over silently: the engine there would never hear again
+            self._error = RuntimeError(
+                f"agentkv: another engine already answers on the control socket {self.endpoint}. agentkv runs "
+                "one engine per API server: with --data-parallel-size > 1 run one `agentkv serve` per "
+                "data-parallel rank behind a router (docs/scale-out.md), or give each engine its own "
+                "AGENTKV_CONTROL")
+            self._ready.set()
+            return
         socket = context.socket(zmq.REP)
         socket.setsockopt(zmq.LINGER, 0)
         try:
@@ -93,6 +103,18 @@ class ControlServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
+
+
+def _answered(endpoint: str) -> bool:
+    """Whether something answers on ``endpoint``, an ipc socket whose file exists (a file left by
+    a process that is gone does not answer)."""
+    if not endpoint.startswith("ipc://") or not os.path.exists(endpoint.removeprefix("ipc://")):
+        return False
+    try:
+        ask_blocking(endpoint, {"op": "probe"}, timeout=_PROBE_TIMEOUT)
+    except ControlUnavailable:
+        return False
+    return True
 
 
 async def ask(endpoint: str, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:

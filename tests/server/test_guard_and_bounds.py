@@ -226,6 +226,25 @@ def test_control_failures_are_logged_once_per_kind(tmp_path, caplog):
     assert sum("control request failed" in r.message for r in caplog.records) == 1
 
 
+def test_a_second_engine_cannot_take_over_the_control_socket_silently(tmp_path):
+    # binding an ipc path that another socket listens on succeeds in ZMQ and steals it: a second
+    # EngineCore of the same API server (vLLM's --data-parallel-size 2) would cut the first one off
+    endpoint = f"ipc://{tmp_path}/c.ipc"
+    first = ControlServer(endpoint, lambda request: {"engine": 1})
+    try:
+        with pytest.raises(RuntimeError, match="another engine already answers"):
+            ControlServer(endpoint, lambda request: {"engine": 2})
+        assert asyncio.run(ask(endpoint, {"op": "stats"})) == {"engine": 1}
+    finally:
+        first.close()
+    (tmp_path / "c.ipc").touch()  # a socket file nobody answers on (a crashed engine's) is taken over
+    second = ControlServer(endpoint, lambda request: {"engine": 2})
+    try:
+        assert asyncio.run(ask(endpoint, {"op": "stats"})) == {"engine": 2}
+    finally:
+        second.close()
+
+
 def test_peer_export_refuses_loose_types():
     good = _export("r", [[0, 1, 0], [0, 0, 1], [0, 0, 0]])
     assert PeerExport.from_json(good).agents == ("planner", "coder", "critic")
