@@ -13,15 +13,21 @@ re-scored: exactly what the scheduler calls) runs once per scheduler step, not p
 is timed apart: here every request is its own step and changes the model (the worst case).
 
     .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000] [--agents 24] [--sessions 100]
-        [--refresh-interval SECONDS]
+        [--refresh-interval SECONDS] [--parts]
+
+``--parts`` instead times the pieces agentkv adds to the allocation path, one agentkv run with a
+timer around each (the timer's own ~0.3 µs per call included), in µs per request.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
+from collections import Counter
+from typing import Any
 
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -31,7 +37,9 @@ from vllm.v1.request import Request
 
 from agentkv.bench.kv_manager import make_manager, serve_once
 from agentkv.protocol import AgentTag
+from server_patch._free_queue import ScoredFreeBlockQueue
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+from server_patch._tracker import BlockTracker
 
 BS = 16
 init_none_hash(sha256)
@@ -83,6 +91,72 @@ def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessi
     return allocation / (cycles * blocks) * 1e6, admission / cycles * 1e6, refresh / cycles * 1e6
 
 
+# (owner, method, label): what agentkv runs on the allocation path, for --parts
+PARTS: tuple[tuple[type, str, str], ...] = (
+    (ScoredFreeBlockQueue, "_attach", "queue: attach freed blocks to their groups"),
+    (ScoredFreeBlockQueue, "_checked_score", "  of which: score a new group"),
+    (ScoredFreeBlockQueue, "_index", "  of which: index a new group by session"),
+    (ScoredFreeBlockQueue, "_push_head", "queue: heap entry of a group head"),
+    (ScoredFreeBlockQueue, "_drop", "queue: drop an emptied group"),
+    (ScoredFreeBlockQueue, "_pop_min_run", "queue: pop in key order"),
+    (ScoredFreeBlockQueue, "_report_evictions", "eviction report"),
+    (BlockTracker, "evicted", "  of which: tracker's eviction count"),
+    (BlockTracker, "cached", "tracker: newly cached blocks"),
+    (AgentKVRuntime, "_finished", "finish: session timing"),
+    (AgentKVRuntime, "_count_traffic", "traffic counters"),
+    (AgentKVRuntime, "_note_warmup", "warm-up ledger"),
+)
+
+
+def parts(num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int, refresh_interval: float) -> None:
+    """Print µs per request of each piece in PARTS, timed inside the allocation path only."""
+    spent: Counter[str] = Counter()
+    inside = [False]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in PARTS]
+
+    def timed(method: Any, label: str) -> Any:
+        @functools.wraps(method)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not inside[0]:
+                return method(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - start
+        return wrapper
+
+    for (owner, name, label), (_, _, method) in zip(PARTS, originals, strict=True):
+        setattr(owner, name, timed(method, label))
+    try:
+        # the first run in a process is several times slower throughout (the interpreter's heap
+        # grows): one run unmeasured, then the measured one
+        for _ in range(2):
+            spent.clear()
+            kv = manager(num_blocks)
+            runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=refresh_interval))
+            runtime.install(kv)
+            total = 0.0
+            for index, req in enumerate(requests(num_blocks // blocks + cycles, blocks, agents, sessions)):
+                runtime.on_add_request(req)
+                runtime.refresh()
+                measured = index >= num_blocks // blocks
+                inside[0] = measured
+                start = time.perf_counter()
+                serve_once(kv, req)
+                if measured:
+                    total += time.perf_counter() - start
+                inside[0] = False
+    finally:
+        for owner, name, method in originals:
+            setattr(owner, name, method)
+    print(f"agentkv's allocation path, {cycles} requests of {blocks} blocks: {total / cycles * 1e6:.1f} µs per request")
+    print("| piece | µs / request |")
+    print("|---|---:|")
+    for _, _, label in PARTS:
+        print(f"| {label} | {spent[label] / cycles * 1e6:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=4096)
@@ -93,7 +167,11 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--refresh-interval", type=float, default=RuntimeConfig().refresh_interval,
                         help="AGENTKV_REFRESH_INTERVAL (s; default: the runtime's)")
+    parser.add_argument("--parts", action="store_true", help="time the pieces agentkv adds instead (one run)")
     args = parser.parse_args()
+    if args.parts:
+        parts(args.blocks, args.blocks_per_request, args.cycles, args.agents, args.sessions, args.refresh_interval)
+        return
     modes = ("vanilla", "agentkv", "agentkv-norecog", "agentkv-disabled")
     samples: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     for _ in range(args.repeats):  # interleaved so machine noise hits every mode alike
