@@ -30,7 +30,7 @@ from agentkv.protocol import AgentTag
 from server_patch._control import ask_blocking
 from server_patch.scheduler import AgentKVAsyncScheduler, AgentKVScheduler
 
-from .test_runtime import AGENTS, ANCHOR_BLOCKS, BS, HASHER, NUM_BLOCKS, pipeline_sessions
+from .test_runtime import AGENTS, ANCHOR_BLOCKS, BS, HASHER, NUM_BLOCKS, anchor, pipeline_sessions
 
 MAX_MODEL_LEN = 4096
 SAMPLED = 7  # the token every step "samples"
@@ -115,12 +115,13 @@ def run(scheduler: Scheduler, in_flight: int) -> dict[str, int]:
     raise AssertionError("requests left after 1000 engine steps")
 
 
-def replay(scheduler: Scheduler, in_flight: int, control: str | None, n_sessions: int) -> list[tuple[str, int]]:
+def replay(scheduler: Scheduler, in_flight: int, control: str | None, n_sessions: int,
+           first: int = 0) -> list[tuple[str, int]]:
     """test_runtime's pipeline sessions, each ended over the control channel (agentkv only)."""
     hits = []
-    for number, (session, agent, tokens, tag) in enumerate(pipeline_sessions(n_sessions)):
-        scheduler.add_request(request(f"r{number}", tokens, tag))
-        hits.append((session, run(scheduler, in_flight)[f"r{number}"]))
+    for number, (session, agent, tokens, tag) in enumerate(pipeline_sessions(n_sessions, first=first)):
+        scheduler.add_request(request(f"r{first}-{number}", tokens, tag))
+        hits.append((session, run(scheduler, in_flight)[f"r{first}-{number}"]))
         if control is not None and agent == AGENTS[-1]:
             payload = {"version": 1, "events": [{"type": "session_end", "session": session}]}
             assert ask_blocking(control, {"op": "events", "payload": payload}) == {"accepted": 1, "duplicates": 0}
@@ -195,3 +196,26 @@ def test_a_preempted_request_keeps_its_session_busy_until_it_finishes(make, kind
             break
     assert preempted and first.is_finished() and second.is_finished()
     assert busy_sessions(scheduler) == set()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_reset_that_preempts_the_running_requests_leaves_no_old_block_in_the_way(make, control, kind):
+    # what /reset_prefix_cache?reset_running_requests=true and /sleep do: preempt what runs, drop
+    # every hash; the free queue's blocks that held anchors are worthless from then on
+    ours, _, in_flight = KINDS[kind]
+    scheduler = make(ours, NUM_BLOCKS)
+    replay(scheduler, in_flight, control, 3)
+    running = request("long", anchor("coder") + list(range(90_000, 90_000 + 2 * BS)), AgentTag("coder", "late", "", 0),
+                      max_tokens=20)
+    scheduler.add_request(running)
+    step(scheduler)
+    step(scheduler)
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert running.num_preemptions == 1
+    while not running.is_finished():
+        step(scheduler)
+    assert busy_sessions(scheduler) == set()
+    hits = replay(scheduler, in_flight, control, 4, first=3)
+    # the first session after it recomputes its anchors; from the next on every call hits them
+    assert [hit for session, hit in hits if session != "s3"] == [ANCHOR_BLOCKS * BS] * 12
+    assert ask_blocking(control, {"op": "stats"})["evictions"]["anchor"] == 0
