@@ -13,7 +13,12 @@ re-scored: exactly what the scheduler calls) runs once per scheduler step, not p
 is timed apart: here every request is its own step and changes the model (the worst case).
 
     .venv/bin/python benchmarks/eviction_hot_path.py [--blocks 4096] [--cycles 2000] [--agents 24] [--sessions 100]
-        [--refresh-interval SECONDS] [--parts]
+        [--refresh-interval SECONDS] [--cold-bytes N] [--parts]
+
+``--cold-bytes N`` overwrites an N-byte buffer before every request in every mode, so that each
+allocation starts with CPU caches as cold as after other work (an engine step's input
+preparation and output processing); by default the loop runs hot, which flatters vanilla's
+few microseconds most.
 
 ``--parts`` instead times the pieces agentkv adds to the allocation path, one agentkv run with a
 timer around each (the timer's own ~0.3 µs per call included), in µs per request.
@@ -63,7 +68,7 @@ def requests(count: int, blocks: int, agents: int, sessions: int) -> list[Reques
 
 
 def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int,
-        refresh_interval: float) -> tuple[float, float, float]:
+        refresh_interval: float, cold_bytes: int = 0) -> tuple[float, float, float]:
     """(µs per allocated block on the allocation path, µs per admission, µs per refresh)."""
     gc.collect()  # the previous run's manager and runtime (cycles) must not weigh on this run's collections
     kv = manager(num_blocks)
@@ -74,7 +79,9 @@ def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessi
         runtime.install(kv)
     reqs = requests(num_blocks // blocks + cycles, blocks, agents, sessions)
     allocation = admission = refresh = 0.0
+    scratch, fresh = bytearray(cold_bytes), bytes(cold_bytes)
     for index, req in enumerate(reqs):
+        scratch[:] = fresh  # untimed: evicts the caches (a no-op without --cold-bytes)
         start = time.thread_time()
         if runtime is not None:
             runtime.on_add_request(req)
@@ -167,6 +174,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--refresh-interval", type=float, default=RuntimeConfig().refresh_interval,
                         help="AGENTKV_REFRESH_INTERVAL (s; default: the runtime's)")
+    parser.add_argument("--cold-bytes", type=int, default=0,
+                        help="overwrite a buffer this large before each request (cold CPU caches; default 0)")
     parser.add_argument("--parts", action="store_true", help="time the pieces agentkv adds instead (one run)")
     args = parser.parse_args()
     if args.parts:
@@ -177,9 +186,10 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved so machine noise hits every mode alike
         for mode in modes:
             samples[mode].append(run(mode, args.blocks, args.blocks_per_request, args.cycles, args.agents,
-                                     args.sessions, args.refresh_interval))
+                                     args.sessions, args.refresh_interval, args.cold_bytes))
     print(f"eviction hot path: {args.blocks} cached blocks, {args.blocks_per_request} blocks/request, "
-          f"{args.cycles} requests x {args.repeats} repeats, {args.sessions} sessions, {args.agents} agents (medians)")
+          f"{args.cycles} requests x {args.repeats} repeats, {args.sessions} sessions, {args.agents} agents (medians)"
+          + (f", caches cold ({args.cold_bytes:,} bytes overwritten before each request)" if args.cold_bytes else ""))
     per_request = args.blocks_per_request
     print("| mode | allocation path µs / block | ratio to vanilla | admission µs / request | with admission: "
           f"µs / block ({per_request} blocks / request) | ratio to vanilla | refresh µs / step |")
