@@ -195,10 +195,11 @@ class AgentKVRuntime(RuntimeControl):
 
         @functools.wraps(reset_prefix_cache)
         def reset_prefix_cache_observed(*args: Any, **kwargs: Any) -> bool:
-            done = reset_prefix_cache(*args, **kwargs)
-            if done:
-                self._uncached(pool.blocks)
-            return done  # type: ignore[no-any-return]
+            with self.lock:  # the engine calls it outside the scheduler's locked entry points
+                done = reset_prefix_cache(*args, **kwargs)
+                if done:
+                    self._uncached(pool.blocks)
+                return done  # type: ignore[no-any-return]
 
         pool.reset_prefix_cache = reset_prefix_cache_observed  # type: ignore[method-assign]
         if hasattr(pool, "evict_blocks"):  # a KV connector's failed loads
@@ -206,8 +207,9 @@ class AgentKVRuntime(RuntimeControl):
 
             @functools.wraps(evict_blocks)
             def evict_blocks_observed(block_ids: set[int], *args: Any, **kwargs: Any) -> None:
-                evict_blocks(block_ids, *args, **kwargs)
-                self._uncached([pool.blocks[block_id] for block_id in block_ids])
+                with self.lock:
+                    evict_blocks(block_ids, *args, **kwargs)
+                    self._uncached([pool.blocks[block_id] for block_id in block_ids])
 
             pool.evict_blocks = evict_blocks_observed  # type: ignore[method-assign]
         manager.free = finish_observed(manager.free)  # type: ignore[method-assign]
