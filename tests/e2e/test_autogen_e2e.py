@@ -35,9 +35,12 @@ def test_autogen_selector_team_is_learned_by_the_server(own_agentkv_server) -> N
     base = own_agentkv_server.base_url
     run = uuid.uuid4().hex[:8]
 
+    clients: list[OpenAIChatCompletionClient] = []
+
     def client() -> OpenAIChatCompletionClient:
-        return OpenAIChatCompletionClient(model="tiny", base_url=base + "/v1", api_key="x", model_info=MODEL_INFO,
-                                          max_tokens=1, temperature=0)
+        clients.append(OpenAIChatCompletionClient(model="tiny", base_url=base + "/v1", api_key="x",
+                                                  model_info=MODEL_INFO, max_tokens=1, temperature=0))
+        return clients[-1]
 
     roles = ("planner", "coder", "critic")
     names = [f"{role}_{run}" for role in roles]
@@ -58,9 +61,18 @@ def test_autogen_selector_team_is_learned_by_the_server(own_agentkv_server) -> N
     session = f"ag-{run}"
     instrument(team, session=session, events_url=base, selector_name=selector)
     before = fetch_stats(base)
-    result = asyncio.run(team.run(task="Write a function that adds two numbers."))
+
+    async def converse() -> Any:
+        try:
+            result = await team.run(task="Write a function that adds two numbers.")
+            await team.reset()  # the conversation is over (a run alone is not: the team keeps its messages)
+            return result
+        finally:  # in this loop: clients left to the collector close their connections on a loop
+            for model_client in clients:  # that is gone, inside whichever async test runs then
+                await model_client.close()
+
+    result = asyncio.run(converse())
     assert [m.source for m in result.messages] == ["user", *names]
-    asyncio.run(team.reset())  # the conversation is over (a run alone is not: the team keeps its messages)
     wait_for(lambda: fetch_stats(base)["sessions"]["ended"] > before["sessions"]["ended"], "the session end")
     after = fetch_stats(base)
 
