@@ -60,8 +60,8 @@ def bursty_starts(rng: random.Random, n: int, burst_rate: float, size: tuple[int
 
 
 class TapeBuilder:
-    def __init__(self, name: str, seed: int, workload: dict):
-        self.name, self.seed, self.workload = name, seed, workload
+    def __init__(self, name: str, seed: int, workload: dict, tag: str = "h"):
+        self.name, self.seed, self.workload, self.tag = name, seed, workload, tag
         self.requests: list[dict] = []
         self.seq = 0
 
@@ -81,7 +81,7 @@ class TapeBuilder:
         assert set(agents) <= set(graph["nodes"]), set(agents) - set(graph["nodes"])
         header = {
             "format": "agentkv-tape", "version": 1, "block_size": BLOCK,
-            "name": f"{self.name}-h{self.seed}", "seed": self.seed,
+            "name": f"{self.name}-{self.tag}{self.seed}", "seed": self.seed,
             "workload": {"topology": self.name, "generator": "benchmarks/holdout_tapes.py (held-out)", **self.workload},
             "graph": graph,
         }

@@ -71,10 +71,12 @@ Group = Anchor | History | Untagged | Uncached
 @dataclass(frozen=True, slots=True)
 class ReuseConfig:
     """``r_min``: below this learned predictability every group scores alike (exact LRU), as they
-    do at R = 0 (no transition learned). Off (0) by default: a chain that cannot tell the next
-    agent (R near 0) still tells an anchor every session calls from one session's history, and
-    ranking by it beats LRU by 8-10 points of hit rate on uniformly random routing
-    (docs/server.md#the-eviction-order); set it to demand an order before acting on it.
+    do while nothing is learned (no transition and no session start rate; sessions of one call
+    each teach no transition, R = 0, but their agents' start rates rank the anchors). Off (0) by
+    default: a chain that cannot tell the next agent (R near 0) still tells an anchor every
+    session calls from one session's history, and ranking by it beats LRU by 8-10 points of hit
+    rate on uniformly random routing (docs/server.md#the-eviction-order); set it to demand an
+    order before acting on it.
 
     ``max_steps`` caps the dispatches looked ahead (the sum stops earlier once the chance of a
     first use at a further step is below ``step_tolerance``); ``steps`` fixes the count instead.
@@ -417,6 +419,8 @@ def score_reuse(
         horizon_s=steps * median_gap,
         resolution=resolution,
         predictability=predictability,
-        predictable=predictability > 0 and predictability >= config.r_min,  # R = 0: nothing learned
+        # nothing learned (no transition, no session start rate): LRU. Sessions of one call each
+        # teach no transition (R = 0), but how often each agent starts one still ranks the anchors
+        predictable=(predictability > 0 or session_start_rate > 0) and predictability >= config.r_min,
         untagged_weight=config.untagged_weight,
     )

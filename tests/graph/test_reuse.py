@@ -204,6 +204,30 @@ def test_unpredictable_workloads_score_every_group_alike():
     assert {table.score(g) for g in (UNTAGGED, Anchor(frozenset("a")), History("s", frozenset("b")))} == {0.0}
 
 
+def test_sessions_of_one_call_each_rank_the_anchors_by_how_often_their_agents_start_one():
+    """Independent calls (each its own session) teach no transition, R = 0; their agents' start
+    rates still tell which anchor is reused soonest. With no start rate either, nothing is learned."""
+    learner, timing = TransitionLearner(), SessionTiming()
+    for n in range(60):  # "often" starts two sessions in three, "seldom" one
+        agent = "seldom" if n % 3 == 2 else "often"
+        learner.observe(agent, f"s{n}", now=float(n))
+        timing.observe(f"s{n}", agent, float(n), step=0)
+    assert learner.predictability() == 0.0
+    chain = Predictor(learner).chain()
+
+    def table(start_rate: float, r_min: float = 0.0):
+        return score_reuse(chain, timing.table(), [], now=60.0, session_start_rate=start_rate, continuation={},
+                           interposed=None, predictability=0.0, gap_count=timing.gaps, config=ReuseConfig(r_min=r_min))
+
+    ranked = table(timing.session_rate(60.0))
+    assert ranked.predictable
+    often, seldom = ranked.score(Anchor(frozenset({"often"}))), ranked.score(Anchor(frozenset({"seldom"})))
+    assert often > seldom > ranked.score(History("s59", frozenset({"often"})))
+    for unranked in (table(0.0), table(timing.session_rate(60.0), r_min=0.1)):
+        assert not unranked.predictable
+        assert {unranked.score(g) for g in (Anchor(frozenset({"often"})), Anchor(frozenset({"seldom"})))} == {0.0}
+
+
 @pytest.mark.parametrize("predictable", [True, False])
 def test_uncached_blocks_go_first_whether_or_not_the_workload_is_predictable(predictable):
     ring = {("a", "b"): 10, ("b", "c"): 10, ("c", "a"): 10}

@@ -368,10 +368,12 @@ def _replicas(clock: Clock) -> list[Replica]:
     equal.queue = install(equal.manager, lambda b: b.block_id % 4, clock)
     equal.queue.set_group_scores({}, default=-2.0)
 
-    # The whole server-side runtime, installed disabled and enabled without metadata.
+    # The whole server-side runtime, installed disabled and enabled without metadata (and without
+    # recognition, which would find agents and sessions in these prompts and rank them).
     runtimes = []
     for enabled in (False, True):
-        rep = Replica(make_manager(16), runtime=AgentKVRuntime(RuntimeConfig(enabled=enabled), clock=clock))
+        config = RuntimeConfig(enabled=enabled, recognize=False)
+        rep = Replica(make_manager(16), runtime=AgentKVRuntime(config, clock=clock))
         rep.runtime.install(rep.manager)
         rep.queue = rep.runtime.queues[0] if enabled else None
         runtimes.append(rep)

@@ -359,3 +359,33 @@ def test_a_streaming_input_request_added_again_with_each_chunk_counts_as_one_cal
     now[0] += 600.0
     runtime.refresh()
     assert "live" in runtime.table.dead  # answered, then idle: not kept busy by the second add
+
+
+
+def one_call_sessions(n_sessions: int):
+    """Independent calls, each a session of its own: "often" every third, four others in turn between."""
+    agents = ("often", "seldom0", "seldom1", "seldom2", "seldom3")
+    for s in range(n_sessions):
+        agent = agents[0] if s % 3 == 0 else agents[1 + (s - 1 - s // 3) % 4]
+        base, start = 20_000 * (1 + agents.index(agent)), 500_000 + s * 1000
+        prompt = list(range(base, base + ANCHOR_BLOCKS * BS)) + list(range(start, start + HISTORY_BLOCKS * BS)) + [7]
+        yield agent, prompt, AgentTag(agent, f"one-{s}", "", 0)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_sessions_of_one_call_each_keep_the_anchor_of_the_agent_that_starts_most_of_them(enabled):
+    """Every call a session of its own: no transition is ever learned (R = 0), yet the anchor of the
+    agent called most often must outlast the other agents' calls, which LRU cycles it out of."""
+    clock = [0.0]
+    kv = manager(3 * ANCHOR_BLOCKS + HISTORY_BLOCKS + 1 + 3)  # three anchors and one call's history
+    runtime = AgentKVRuntime(RuntimeConfig(enabled=enabled), clock=lambda: clock[0])
+    runtime.install(kv)
+    hits = []
+    for agent, prompt, tag in one_call_sessions(60):
+        hits.append((agent, run(kv, runtime, request(prompt, tag))))
+        clock[0] += 1.0
+    late = [hit for agent, hit in hits[30:] if agent == "often"]
+    assert late == ([ANCHOR_BLOCKS * BS] * 10 if enabled else [0] * 10)
+    stats = runtime.stats()
+    assert stats["predictability"] == 0.0
+    assert stats["policy"] == ("survival" if enabled else "lru")
