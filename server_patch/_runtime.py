@@ -403,6 +403,7 @@ class AgentKVRuntime(RuntimeControl):
             predictability=self.learner.predictability(),
             gap_count=self.timing.gaps,
             config=config,
+            session_count=self.timing.starts,
             passage=self._passage,
             end_hazard=hazard,
             reuse=(self.table, touched) if partial and self.table is not None and touched is not None else None,

@@ -84,8 +84,9 @@ class ReuseConfig:
     resolution tau is the gap that a share ``resolution_quantile`` of all learned gaps are
     shorter than, at least ``min_time`` (s): no sooner next use is told apart. ``dead_tail`` is
     the share of an agent's learned gaps beyond which an idle session counts as abandoned (after
-    ``min_gaps`` gaps were seen). An untagged
-    block is valued at ``untagged_weight`` times a typical live session's next use.
+    ``min_gaps`` gaps were seen; while none is, after ``min_gaps`` session starts, every session
+    not running counts as over: no session has ever continued). An untagged block is valued at
+    ``untagged_weight`` times a typical live session's next use.
     """
 
     r_min: float = 0.0
@@ -311,6 +312,7 @@ def score_reuse(
     predictability: float,
     gap_count: int,
     config: ReuseConfig,
+    session_count: int = 0,
     passage: np.ndarray | None = None,
     end_hazard: np.ndarray | None = None,
     reuse: tuple[ReuseTable, Container[str]] | None = None,
@@ -323,7 +325,8 @@ def score_reuse(
     ``end_hazard[n - 1]``: P(a session ends after its n-th dispatch | it lasted that long), the
     last entry for all longer ones (None: sessions never end), learned from ended sessions'
     lengths; ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of
-    a is followed by another request of the same dispatch); ``interposed[a]``: calls of a made
+    a is followed by another request of the same dispatch); ``gap_count``, ``session_count``: the
+    gaps between a session's requests and the sessions started so far; ``interposed[a]``: calls of a made
     between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
     ``first_passage_steps`` of this chain. ``reuse``: (an earlier table, the sessions whose own
     inputs changed since): every other session it scored keeps its row (not re-evaluated: its
@@ -385,6 +388,10 @@ def score_reuse(
             session_rate[evaluated] = rates
         if gap_count >= config.min_gaps:  # P(a gap this long | the request's kind) below the tail: abandoned
             dead = tuple(names[evaluated[i]] for i in np.flatnonzero(still < config.dead_tail).tolist())
+        elif not gap_count and session_count >= config.min_gaps:
+            # no session ever continued: one whose request finished is over (if it comes back, it
+            # continues); else sessions of one call each would stay live, and be scored, forever
+            dead = tuple(names[i] for i in evaluated if math.isfinite(live.seen[i]))
     if copied is not None and len(copied):
         session_rate[copied] = previous.session_rate[before[copied]]
 

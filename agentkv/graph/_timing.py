@@ -190,6 +190,7 @@ class SessionTiming:
         # per agent, after an answer the server was told of: [no tool call, tool call] x [same dispatch, next]
         self._after_told: dict[tuple[str, bool], list[float]] = {}  # (agent, tool call) -> [same, next]
         self._gaps = 0
+        self._starts = 0
         self._last_start: float | None = None
         self._start_intervals: deque[float] = deque(maxlen=_START_WINDOW)
         self._start_interval = math.inf  # mean of the recent intervals between starts, pauses left out
@@ -300,6 +301,7 @@ class SessionTiming:
         return self._lengths / (tail + 1.0)  # +1: one unseen longer session keeps it below 1
 
     def _note_start(self, now: float) -> None:
+        self._starts += 1
         # A pause (a quiet night, the minute between two test runs) would hold a running mean
         # down for many starts after the pace picks up again; ``session_rate`` covers the pause
         # in progress, so the pace is the mean of the recent intervals without the pauses.
@@ -344,6 +346,11 @@ class SessionTiming:
     @property
     def gaps(self) -> int:
         return self._gaps
+
+    @property
+    def starts(self) -> int:
+        """Sessions started so far."""
+        return self._starts
 
     @property
     def gap_agents(self) -> int:

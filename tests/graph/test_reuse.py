@@ -228,6 +228,29 @@ def test_sessions_of_one_call_each_rank_the_anchors_by_how_often_their_agents_st
         assert {unranked.score(g) for g in (Anchor(frozenset({"often"})), Anchor(frozenset({"seldom"})))} == {0.0}
 
 
+def test_sessions_that_never_continued_are_over_once_their_call_finished():
+    """No gap was ever learned, so an idle session's gap cannot be judged against any; after
+    ``min_gaps`` starts without one, a session whose call finished is over (not one still running)."""
+    learner, timing = TransitionLearner(), SessionTiming()
+    for n in range(40):
+        learner.observe("a", f"s{n}", now=float(n))
+        timing.observe(f"s{n}", "a", float(n), step=0)
+        if n < 39:
+            timing.finished(f"s{n}")
+    chain = Predictor(learner).chain()
+
+    def dead(session_count: int) -> set[str]:
+        return set(score_reuse(chain, timing.table(), timing.live(), now=40.0, session_start_rate=1.0,
+                               continuation={}, interposed=None, predictability=0.0, gap_count=timing.gaps,
+                               session_count=session_count, config=ReuseConfig()).dead)
+
+    assert timing.gaps == 0 and timing.starts == 40
+    assert dead(timing.starts) == {f"s{n}" for n in range(39)}
+    assert dead(ReuseConfig().min_gaps - 1) == set()  # too few sessions to conclude anything
+    timing.observe("s0", "a", 41.0, step=1)  # one came back after all: gaps decide from here on
+    assert dead(timing.starts) == set()
+
+
 @pytest.mark.parametrize("predictable", [True, False])
 def test_uncached_blocks_go_first_whether_or_not_the_workload_is_predictable(predictable):
     ring = {("a", "b"): 10, ("b", "c"): 10, ("c", "a"): 10}

@@ -389,3 +389,5 @@ def test_sessions_of_one_call_each_keep_the_anchor_of_the_agent_that_starts_most
     stats = runtime.stats()
     assert stats["predictability"] == 0.0
     assert stats["policy"] == ("survival" if enabled else "lru")
+    if enabled:  # a finished one-call session is over: the model is not evaluated for 60 of them
+        assert len(runtime.timing.live().names) <= 1
