@@ -4,16 +4,18 @@ Every request is a session of its own (ten agents in turn, a 4-block anchor each
 query of its own), 10 calls a second, one call per scheduler step, the runtime's default
 ``AGENTKV_REFRESH_INTERVAL``. No session ever sends a second request, so no gap between requests
 is ever learned: the sessions only leave the live table when the model concludes they are over.
-Prints, after N calls, how many sessions the timing still holds live and the mean refresh per step
-over the last 500 steps.
+``--return-every K``: one session in K sends a second call 2 s after its first. Prints, after N
+sessions, how many the timing still holds live (and the most it held at once) and the mean
+refresh per step over the last 500 steps.
 
-    .venv/bin/python benchmarks/one_call_refresh.py [--calls 1000,5000,20000]
+    .venv/bin/python benchmarks/one_call_refresh.py [--calls 1000,5000,20000] [--return-every K]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import deque
 
 from eviction_hot_path import BS, HASHER, manager  # the sibling script: run as python benchmarks/one_call_refresh.py
 from vllm.sampling_params import SamplingParams
@@ -27,38 +29,47 @@ AGENTS = 10
 LAST = 500
 
 
-def run(calls: int) -> tuple[int, float]:
-    """(sessions live in the timing after ``calls`` calls, mean µs per refresh over the last steps)."""
+def run(calls: int, return_every: int) -> tuple[int, int, float]:
+    """(sessions live in the timing after ``calls`` sessions, the most live at once, mean µs per
+    refresh over the last steps)."""
     clock = [0.0]
     kv = manager(4096)
     runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
     runtime.install(kv)
-    spent = 0.0
+    spent, peak, returns = 0.0, 0, deque[tuple[float, int]]()
     for i in range(calls):
-        tag = AgentTag(f"agent-{i % AGENTS}", f"one-{i}", "", 0)
-        anchor = list(range(1000 * (i % AGENTS), 1000 * (i % AGENTS) + 4 * BS))
-        query = list(range(10**6 + i * 4 * BS, 10**6 + (i + 1) * 4 * BS))
-        request = Request(f"r{i}", anchor + query, SamplingParams(max_tokens=1, extra_args=tag.to_xargs()), None,
-                          block_hasher=HASHER, session_id=tag.session)
-        runtime.on_add_request(request)
-        start = time.thread_time()
-        runtime.refresh()
-        if i >= calls - LAST:
-            spent += time.thread_time() - start
-        serve_once(kv, request)
+        due = [i] + ([returns.popleft()[1]] if returns and returns[0][0] <= clock[0] else [])
+        for number, session in enumerate(due):
+            step = 0 if number == 0 else 1
+            tag = AgentTag(f"agent-{session % AGENTS}", f"one-{session}", "" if step == 0 else None, step)
+            anchor = list(range(1000 * (session % AGENTS), 1000 * (session % AGENTS) + 4 * BS))
+            query = list(range(10**6 + (2 * session + step) * 4 * BS, 10**6 + (2 * session + step + 1) * 4 * BS))
+            params = SamplingParams(max_tokens=1, extra_args=tag.to_xargs())
+            request = Request(f"r{session}-{step}", anchor + query, params, None, block_hasher=HASHER,
+                              session_id=tag.session)
+            runtime.on_add_request(request)
+            start = time.thread_time()
+            runtime.refresh()
+            if i >= calls - LAST:
+                spent += time.thread_time() - start
+            serve_once(kv, request)
+        if return_every and i % return_every == 0:
+            returns.append((clock[0] + 2.0, i))
         clock[0] += 0.1
-    return len(runtime.timing.live().names), spent / min(LAST, calls) * 1e6
+        peak = max(peak, len(runtime.timing.live().names))
+    return len(runtime.timing.live().names), peak, spent / min(LAST, calls) * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", default="1000,5000,20000", help="comma-separated call counts, one run each")
+    parser.add_argument("--calls", default="1000,5000,20000", help="comma-separated session counts, one run each")
+    parser.add_argument("--return-every", type=int, default=0, help="one session in K calls a second time (0: none)")
     args = parser.parse_args()
-    print("| one-call sessions so far | live in the timing | refresh µs / step (last 500 steps) |")
+    print("| sessions so far | live in the timing (most at once) | refresh µs / step (last 500 steps) |")
     print("|---:|---:|---:|")
     for calls in (int(c) for c in args.calls.split(",")):
-        live, refresh = run(calls)
-        print(f"| {calls} | {live} | {refresh:.0f} |")
+        live, peak, refresh = run(calls, args.return_every)
+        print(f"| {calls} | {live} ({peak}) | {refresh:.0f} |")
 
 
 if __name__ == "__main__":

@@ -84,8 +84,8 @@ class ReuseConfig:
     resolution tau is the gap that a share ``resolution_quantile`` of all learned gaps are
     shorter than, at least ``min_time`` (s): no sooner next use is told apart. ``dead_tail`` is
     the share of an agent's learned gaps beyond which an idle session counts as abandoned (after
-    ``min_gaps`` gaps were seen; while none is, after ``min_gaps`` session starts, every session
-    not running counts as over: no session has ever continued). An untagged block is valued at
+    ``min_gaps`` gaps were seen; before, while there are at least ``min_gaps`` session starts per
+    gap, every session not running counts as over: almost none continues). An untagged block is valued at
     ``untagged_weight`` times a typical live session's next use.
     """
 
@@ -388,9 +388,10 @@ def score_reuse(
             session_rate[evaluated] = rates
         if gap_count >= config.min_gaps:  # P(a gap this long | the request's kind) below the tail: abandoned
             dead = tuple(names[evaluated[i]] for i in np.flatnonzero(still < config.dead_tail).tolist())
-        elif not gap_count and session_count >= config.min_gaps:
-            # no session ever continued: one whose request finished is over (if it comes back, it
-            # continues); else sessions of one call each would stay live, and be scored, forever
+        elif session_count >= config.min_gaps * max(1, gap_count):
+            # (almost) no session continues, fewer than one in min_gaps: one whose request finished
+            # is over (if it comes back, it continues); else sessions of one call each would stay
+            # live, and be scored at every refresh, until min_gaps gaps are learned
             dead = tuple(names[i] for i in evaluated if math.isfinite(live.seen[i]))
     if copied is not None and len(copied):
         session_rate[copied] = previous.session_rate[before[copied]]

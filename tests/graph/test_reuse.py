@@ -228,9 +228,10 @@ def test_sessions_of_one_call_each_rank_the_anchors_by_how_often_their_agents_st
         assert {unranked.score(g) for g in (Anchor(frozenset({"often"})), Anchor(frozenset({"seldom"})))} == {0.0}
 
 
-def test_sessions_that_never_continued_are_over_once_their_call_finished():
-    """No gap was ever learned, so an idle session's gap cannot be judged against any; after
-    ``min_gaps`` starts without one, a session whose call finished is over (not one still running)."""
+def test_sessions_that_hardly_ever_continue_are_over_once_their_call_finished():
+    """Before ``min_gaps`` gaps are learned an idle session's gap cannot be judged against them;
+    while there are ``min_gaps`` session starts per gap or more, a session whose call finished is
+    over (not one still running)."""
     learner, timing = TransitionLearner(), SessionTiming()
     for n in range(40):
         learner.observe("a", f"s{n}", now=float(n))
@@ -247,7 +248,9 @@ def test_sessions_that_never_continued_are_over_once_their_call_finished():
     assert timing.gaps == 0 and timing.starts == 40
     assert dead(timing.starts) == {f"s{n}" for n in range(39)}
     assert dead(ReuseConfig().min_gaps - 1) == set()  # too few sessions to conclude anything
-    timing.observe("s0", "a", 41.0, step=1)  # one came back after all: gaps decide from here on
+    timing.observe("s0", "a", 41.0, step=1)  # one came back after all (and runs): 40 starts, 1 gap
+    assert dead(timing.starts) == {f"s{n}" for n in range(1, 39)}
+    timing.observe("s1", "a", 42.0, step=1)  # two in 40: too many to take every idle one for over
     assert dead(timing.starts) == set()
 
 
