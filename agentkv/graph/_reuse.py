@@ -85,8 +85,8 @@ class ReuseConfig:
     shorter than, at least ``min_time`` (s): no sooner next use is told apart. ``dead_tail`` is
     the share of an agent's learned gaps beyond which an idle session counts as abandoned (after
     ``min_gaps`` gaps were seen; before, while there are at least ``min_gaps`` session starts per
-    gap, every session not running counts as over: almost none continues). An untagged block is valued at
-    ``untagged_weight`` times a typical live session's next use.
+    gap, every session not running counts as over: almost none continues). An untagged block is
+    valued at ``untagged_weight`` times a typical live session's next use.
     """
 
     r_min: float = 0.0
@@ -326,8 +326,8 @@ def score_reuse(
     last entry for all longer ones (None: sessions never end), learned from ended sessions'
     lengths; ``session_start_rate``: new sessions per second; ``continuation[a]``: P(a request of
     a is followed by another request of the same dispatch); ``gap_count``, ``session_count``: the
-    gaps between a session's requests and the sessions started so far; ``interposed[a]``: calls of a made
-    between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
+    gaps between a session's requests and the sessions started so far; ``interposed[a]``: calls of
+    a made between two dispatches, per dispatch (e.g. a speaker selector); ``passage``: a cached
     ``first_passage_steps`` of this chain. ``reuse``: (an earlier table, the sessions whose own
     inputs changed since): every other session it scored keeps its row (not re-evaluated: its
     idle time and the chain moved on a little) when the chain's agents, the time resolution and
