@@ -16,7 +16,7 @@ import httpx
 
 from agentkv.protocol import STATS_MAX_AGE, STATS_PATH
 
-__all__ = ["StatsSnapshot", "fetch_stats", "learned", "wait_for"]
+__all__ = ["StatsSnapshot", "cached_tokens", "fetch_stats", "learned", "wait_for"]
 
 
 def fetch_stats(base_url: str, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -83,3 +83,12 @@ def learned(stats: Mapping[str, Any], agent: str, successor: str) -> bool:
     row = stats["transitions"][agent]
     others = [p for a, p in row.items() if a != successor]
     return row.get(successor, 0.0) >= 5 * max(others, default=0.0) and row.get(successor, 0.0) > 0.5
+
+
+def cached_tokens(client: httpx.Client, prompt: list[int], headers: Mapping[str, str] | None = None) -> int:
+    """Send ``prompt`` (token ids) as a one-token completion of the tiny model; the prompt tokens
+    the server reports it found cached."""
+    response = client.post("/v1/completions", headers=headers,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    response.raise_for_status()
+    return (response.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens") or 0

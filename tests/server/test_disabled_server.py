@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from agentkv.protocol import STATS_MAX_AGE, STATS_PATH, AgentTag
+from agentkv.testing.server_stats import cached_tokens
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
 pytestmark = pytest.mark.server
@@ -41,10 +42,7 @@ def _prompt(index: int) -> list[int]:
 
 def _cached_tokens(client: httpx.Client, index: int) -> int:
     tag = AgentTag("solo", f"s{index}", "", 0)
-    response = client.post("/v1/completions", json={"model": "tiny", "prompt": _prompt(index), "max_tokens": 1},
-                           headers=tag.to_headers())
-    response.raise_for_status()
-    return (response.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens") or 0
+    return cached_tokens(client, _prompt(index), tag.to_headers())
 
 
 def _counted(client: httpx.Client) -> tuple[int, float]:

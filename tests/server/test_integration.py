@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from agentkv.protocol import EVENTS_PATH, STATS_PATH, AgentTag
-from agentkv.testing.server_stats import StatsSnapshot
+from agentkv.testing.server_stats import StatsSnapshot, cached_tokens
 
 pytestmark = pytest.mark.server
 
@@ -46,14 +46,7 @@ def _replay(base_url: str, *, with_events: bool) -> list[tuple[str, str, int]]:
     measured = []
     with httpx.Client(base_url=base_url, timeout=120, trust_env=False) as client:
         for session, tag, prompt in _calls():
-            response = client.post(
-                "/v1/completions",
-                json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0},
-                headers=tag.to_headers(),
-            )
-            response.raise_for_status()
-            details = response.json()["usage"]["prompt_tokens_details"] or {}
-            measured.append((session, tag.agent, details.get("cached_tokens") or 0))
+            measured.append((session, tag.agent, cached_tokens(client, prompt, tag.to_headers())))
             if with_events and tag.agent == AGENTS[-1]:
                 event = {"version": 1, "events": [{"type": "session_end", "id": f"end-{session}", "session": session}]}
                 client.post(EVENTS_PATH, json=event).raise_for_status()

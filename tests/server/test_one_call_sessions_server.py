@@ -8,7 +8,7 @@ import random
 import httpx
 import pytest
 
-from agentkv.testing.server_stats import StatsSnapshot
+from agentkv.testing.server_stats import StatsSnapshot, cached_tokens
 
 pytestmark = pytest.mark.server
 
@@ -36,14 +36,8 @@ def _replay(base_url: str) -> list[tuple[str, int]]:
     hits = []
     with httpx.Client(base_url=base_url, timeout=120, trust_env=False) as client:
         for agent, session, prompt in _calls():
-            response = client.post(
-                "/v1/completions",
-                json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0},
-                headers={"X-AgentKV-Agent": agent, "X-AgentKV-Session": session},
-            )
-            response.raise_for_status()
-            details = response.json()["usage"]["prompt_tokens_details"] or {}
-            hits.append((agent, details.get("cached_tokens") or 0))
+            headers = {"X-AgentKV-Agent": agent, "X-AgentKV-Session": session}
+            hits.append((agent, cached_tokens(client, prompt, headers)))
     return hits
 
 

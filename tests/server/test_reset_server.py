@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from agentkv.protocol import EVENTS_PATH, AgentTag
-from agentkv.testing.server_stats import StatsSnapshot
+from agentkv.testing.server_stats import StatsSnapshot, cached_tokens
 from agentkv.testing.servers import running_server, tiny_server_spec
 from agentkv.testing.vllm_server import VLLMServer
 
@@ -42,11 +42,7 @@ def _pipeline(client: httpx.Client, agents: tuple[str, ...], app: str) -> list[t
             prompt = [anchor.randrange(10, 4000) for _ in range(ANCHOR_BLOCKS * BLOCK)] + [
                 rng.randrange(10, 4000) for _ in range(HISTORY_BLOCKS * BLOCK + 1)]
             tag = AgentTag(agent, session, "" if step == 0 else agents[step - 1], step)
-            response = client.post("/v1/completions", headers=tag.to_headers(),
-                                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-            response.raise_for_status()
-            details = response.json()["usage"]["prompt_tokens_details"] or {}
-            measured.append((s, agent, details.get("cached_tokens") or 0))
+            measured.append((s, agent, cached_tokens(client, prompt, tag.to_headers())))
         client.post(EVENTS_PATH, json={"version": 1, "events": [
             {"type": "session_end", "id": f"end-{session}", "session": session}]}).raise_for_status()
     return measured
