@@ -303,7 +303,9 @@ class AgentKVRuntime(RuntimeControl):
         self.tagged_requests += 1
         self.anchors.observe(tag.agent, tag.session, request.block_hashes)
         step = tag.step
-        if tag.session is not None and not tag.warmup:
+        if tag.session is None and not tag.warmup:
+            self.timing.call_outside_session(self.clock())
+        elif tag.session is not None and not tag.warmup:
             if step is None:  # a client that sends no step: one agent's consecutive calls are one dispatch
                 step = self.timing.implied_step(tag.session, tag.agent)
             self.timing.observe(tag.session, tag.agent, self.clock(), step)

@@ -9,10 +9,13 @@ from typing import Protocol
 from agentkv.graph import UNTAGGED, Anchor, Group, History
 from agentkv.protocol import AgentTag
 
-__all__ = ["AnchorLengths", "BlockTracker", "merge_group"]
+__all__ = ["NO_SESSION", "AnchorLengths", "BlockTracker", "merge_group"]
 
 _MAX_AGENTS_PER_BLOCK = 16
 _MAX_INTERNED = 100_000
+# The session of what a request outside any session caches beyond its agent's anchor: no session
+# id is empty, so none is ever live under it and the model scores it at the floor.
+NO_SESSION = ""
 
 
 class _Block(Protocol):
@@ -32,16 +35,18 @@ def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) 
     """The eviction group of a block after ``tag``'s request cached or hit it.
 
     A block is an *anchor* (an agent's fixed prefix, reused across sessions) when it lies
-    within its agent's learned anchor length, was seen by two sessions, or by a request
-    without a session; otherwise it is its one session's *history*. Blocks in one group
-    share a survival probability; a block shared by several agents keeps them all (up to
-    a bound) and survives as well as the best of them.
+    within its agent's learned anchor length or was seen by two requests of different
+    sessions (or of none); otherwise it is its one session's *history*. What a request
+    outside any session caches beyond the anchor is history of ``NO_SESSION``: only a repeat
+    of the same prompt would reuse it (a warm-up holds nothing but an anchor). Blocks in one
+    group share a survival probability; a block shared by several agents keeps them all (up
+    to a bound) and survives as well as the best of them.
     """
     if group is None:
         agents = frozenset((tag.agent,))
-        if in_anchor or tag.session is None:
+        if in_anchor or tag.warmup:
             return Anchor(agents)
-        return History(tag.session, agents)
+        return History(NO_SESSION if tag.session is None else tag.session, agents)
     agents = group.agents
     if tag.agent not in agents and len(agents) < _MAX_AGENTS_PER_BLOCK:
         agents = agents | {tag.agent}
@@ -61,11 +66,11 @@ class BlockTracker:
 
     def __init__(self) -> None:
         self._group: dict[int, Anchor | History] = {}
-        self._interned: dict[tuple[Anchor | History | None, str, str | None, bool], Anchor | History] = {}
+        self._interned: dict[tuple[Anchor | History | None, str, str | None, bool, bool], Anchor | History] = {}
         self.evictions: Counter[str] = Counter()
 
     def _merge(self, group: Anchor | History | None, tag: AgentTag, in_anchor: bool) -> Anchor | History:
-        key = (group, tag.agent, tag.session, in_anchor)
+        key = (group, tag.agent, tag.session, in_anchor, tag.warmup)
         merged = self._interned.get(key)
         if merged is None:
             if len(self._interned) > _MAX_INTERNED:

@@ -300,8 +300,18 @@ class SessionTiming:
         tail = np.cumsum(self._lengths[::-1])[::-1]
         return self._lengths / (tail + 1.0)  # +1: one unseen longer session keeps it below 1
 
+    def call_outside_session(self, now: float) -> None:
+        """A request that belongs to no session arrived at ``now``: for the pace of starts it is a
+        session of one call, over once answered; it leaves no session state and no count in
+        ``starts`` (no session of it is ever live)."""
+        self._note_pace(now)
+        self.version += 1
+
     def _note_start(self, now: float) -> None:
         self._starts += 1
+        self._note_pace(now)
+
+    def _note_pace(self, now: float) -> None:
         # A pause (a quiet night, the minute between two test runs) would hold a running mean
         # down for many starts after the pace picks up again; ``session_rate`` covers the pause
         # in progress, so the pace is the mean of the recent intervals without the pauses.
@@ -412,7 +422,8 @@ class SessionTiming:
         return going_on / (going_on + handed) if going_on + handed > 0 else 0.0
 
     def session_rate(self, now: float) -> float:
-        """New sessions per second (0 until two sessions started); decays while none start."""
+        """New sessions per second, calls outside any session included (0 until two started);
+        decays while none start."""
         if self._last_start is None or not math.isfinite(self._start_interval):
             return 0.0
         return 1.0 / max(self._start_interval, now - self._last_start)

@@ -353,6 +353,15 @@ def test_session_start_rate_and_continuation():
     assert timing.continuation("y") == 0.0
 
 
+def test_calls_outside_any_session_set_the_pace_of_starts_and_leave_no_session():
+    timing = SessionTiming()
+    for n in range(10):
+        timing.observe(f"s{n}", "x", 10.0 * n, step=0)
+        timing.call_outside_session(10.0 * n + 5.0)  # between every two sessions
+    assert timing.session_rate(95.0) == pytest.approx(0.2)
+    assert timing.starts == 10 and timing.live().names == tuple(f"s{n}" for n in range(10))
+
+
 def test_the_start_rate_picks_up_the_pace_as_soon_as_sessions_start_again_after_a_pause():
     timing = SessionTiming()
     timing.observe("early", "x", 0.0, step=0)

@@ -32,11 +32,12 @@ def _calls():
         yield agent, f"one-{n}", prompt
 
 
-def _replay(base_url: str) -> list[tuple[str, int]]:
+def replay_calls(base_url: str, *, sessions: bool = True) -> list[tuple[str, int]]:
+    """(agent, cached tokens) of every call; ``sessions=False`` tags each with its agent only."""
     hits = []
     with httpx.Client(base_url=base_url, timeout=120, trust_env=False) as client:
         for agent, session, prompt in _calls():
-            headers = {"X-AgentKV-Agent": agent, "X-AgentKV-Session": session}
+            headers = {"X-AgentKV-Agent": agent} | ({"X-AgentKV-Session": session} if sessions else {})
             hits.append((agent, cached_tokens(client, prompt, headers)))
     return hits
 
@@ -44,7 +45,7 @@ def _replay(base_url: str) -> list[tuple[str, int]]:
 def test_the_anchor_of_the_agent_called_most_often_is_kept_without_any_transition(vanilla_server,
                                                                                   own_agentkv_server):
     snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
-    vanilla, agentkv = _replay(vanilla_server.base_url), _replay(own_agentkv_server.base_url)
+    vanilla, agentkv = replay_calls(vanilla_server.base_url), replay_calls(own_agentkv_server.base_url)
     often = {name: [hit for agent, hit in rows if agent == OFTEN] for name, rows in
              (("vanilla", vanilla), ("agentkv", agentkv))}
     print(f"\ncached tokens of {OFTEN!r}'s calls: {often}")

@@ -252,6 +252,46 @@ def test_tracker_merges_and_classifies_runs_like_single_blocks():
     assert tracker.evictions == {"anchor": 3, "retired": 2, "untagged": 1}
 
 
+def test_what_a_call_outside_any_session_caches_beyond_its_anchor_is_history_until_a_second_call_hits_it():
+    """Only the anchor of a session-less call is reused by its agent's next calls: the rest (its
+    query) is history no session is live under, scored at the floor, unless another call hits it."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from agentkv.graph import Anchor
+    from server_patch._tracker import NO_SESSION, BlockTracker
+
+    tracker = BlockTracker()
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    tracker.cached(blocks, 0, 6, AgentTag("summarizer"), 2)  # 0-1 its anchor, 2-5 its query
+    summarizer = frozenset({"summarizer"})
+    assert [tracker._group[i] for i in range(6)] == [Anchor(summarizer)] * 2 + [History(NO_SESSION, summarizer)] * 4
+    tracker.hit(blocks[:4], AgentTag("summarizer"), 2)  # the same prompt again: 2-3 are shared now
+    assert [tracker._group[i] for i in range(6)] == [Anchor(summarizer)] * 4 + [History(NO_SESSION, summarizer)] * 2
+    tracker.cached(blocks, 0, 6, AgentTag("summarizer", warmup=True), 2)  # a warm-up holds only an anchor
+    assert [tracker._group[i] for i in range(6)] == [Anchor(summarizer)] * 6
+
+
+def test_calls_outside_any_session_between_sessions_keep_their_anchor_and_not_their_queries():
+    """A summarizer called without a session between pipeline dispatches: its anchor is reused, each
+    of its queries never is. Filed as its anchor, those queries would pile up at the anchor's
+    value and push the pipeline's anchors out (a fifth of the hits below were left)."""
+    clock = [0.0]
+    kv = manager(60)
+    runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
+    runtime.install(kv)
+    summarizer_anchor = list(range(50_000, 50_000 + 2 * BS))
+    pipeline = summarizer = 0
+    for n, (_, _, tokens, tag) in enumerate(pipeline_sessions(40)):
+        pipeline += run(kv, runtime, request(tokens, tag))
+        clock[0] += 1.0
+        query = list(range(900_000 + n * 1000, 900_000 + n * 1000 + 16 * BS))
+        summarizer += run(kv, runtime, request(summarizer_anchor + query + [7], AgentTag("summarizer")))
+        clock[0] += 0.5
+    calls = 40 * len(AGENTS)
+    assert summarizer == (calls - 1) * len(summarizer_anchor)  # every call but the first
+    assert pipeline >= 0.9 * calls * ANCHOR_BLOCKS * BS
+
+
 def random_sessions(n_sessions: int, seed: int = 0):
     """Sessions of 6 dispatches, each to a uniformly drawn agent: the next agent is unpredictable."""
     rng = random.Random(seed)
@@ -362,26 +402,29 @@ def test_a_streaming_input_request_added_again_with_each_chunk_counts_as_one_cal
 
 
 
-def one_call_sessions(n_sessions: int):
-    """Independent calls, each a session of its own: "often" every third, four others in turn between."""
+def one_call_sessions(n_sessions: int, *, sessions: bool = True):
+    """Independent calls, each a session of its own (or of none): "often" every third, four others
+    in turn between."""
     agents = ("often", "seldom0", "seldom1", "seldom2", "seldom3")
     for s in range(n_sessions):
         agent = agents[0] if s % 3 == 0 else agents[1 + (s - 1 - s // 3) % 4]
         base, start = 20_000 * (1 + agents.index(agent)), 500_000 + s * 1000
         prompt = list(range(base, base + ANCHOR_BLOCKS * BS)) + list(range(start, start + HISTORY_BLOCKS * BS)) + [7]
-        yield agent, prompt, AgentTag(agent, f"one-{s}", "", 0)
+        yield agent, prompt, AgentTag(agent, f"one-{s}", "", 0) if sessions else AgentTag(agent)
 
 
+@pytest.mark.parametrize("sessions", [True, False], ids=["a-session-each", "no-session"])
 @pytest.mark.parametrize("enabled", [False, True])
-def test_sessions_of_one_call_each_keep_the_anchor_of_the_agent_that_starts_most_of_them(enabled):
-    """Every call a session of its own: no transition is ever learned (R = 0), yet the anchor of the
-    agent called most often must outlast the other agents' calls, which LRU cycles it out of."""
+def test_sessions_of_one_call_each_keep_the_anchor_of_the_agent_that_starts_most_of_them(enabled, sessions):
+    """Every call a session of its own, or tagged with its agent only: no transition is ever learned
+    (R = 0), yet the anchor of the agent called most often must outlast the other agents' calls,
+    which LRU cycles it out of."""
     clock = [0.0]
     kv = manager(3 * ANCHOR_BLOCKS + HISTORY_BLOCKS + 1 + 3)  # three anchors and one call's history
     runtime = AgentKVRuntime(RuntimeConfig(enabled=enabled), clock=lambda: clock[0])
     runtime.install(kv)
     hits = []
-    for agent, prompt, tag in one_call_sessions(60):
+    for agent, prompt, tag in one_call_sessions(60, sessions=sessions):
         hits.append((agent, run(kv, runtime, request(prompt, tag))))
         clock[0] += 1.0
     late = [hit for agent, hit in hits[30:] if agent == "often"]
