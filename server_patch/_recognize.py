@@ -317,8 +317,9 @@ class Recognizer:
                 identity.name = agent
 
     def recognize(self, request_id: str, block_hashes: Sequence[Hashable], tokens: Sequence[int],
-                  block_size: int, session_id: str | None = None) -> Recognition:
-        """Recognize one untagged request (call once per request, in arrival order)."""
+                  block_size: int, session_id: str | None = None, agent: str | None = None) -> Recognition:
+        """Recognize one untagged request, or the session of one tagged with ``agent`` alone
+        (call once per request, in arrival order)."""
         self._learn_tagged()
         path = self._insert(block_hashes, tokens, block_size)
         identity = self._identity(path)
@@ -326,6 +327,8 @@ class Recognizer:
             self.unrecognized += 1
             self.recent.append((request_id, None, session_id, len(tokens)))
             return Recognition(None, session_id, None, None)
+        if agent is not None:
+            identity.name = agent
         agent = self._label(identity)
         if session_id is not None:
             session = session_id

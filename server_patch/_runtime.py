@@ -247,7 +247,7 @@ class AgentKVRuntime(RuntimeControl):
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         result = parse_xargs(extra)
         self.malformed.record(result.errors)
-        tag = self._recognized(request, result.tag)
+        tag, recognized = self._recognized(request, result.tag)
         # X-Session-ID stands in for a missing agentkv session, except on warm-ups, which
         # carry it only as a routing key and must not join (or revive) any session
         if tag is not None and tag.session is None and request.session_id and not tag.warmup:
@@ -258,8 +258,8 @@ class AgentKVRuntime(RuntimeControl):
         self._tags[request_id] = tag
         if len(self._tags) > _MAX_CACHED_TAGS:
             self._tags.popitem(last=False)
-        if result.tag is None and tag is not None and tag.session is not None:
-            # recognized: the middleware can name only the response, by which this request is found
+        if recognized and tag is not None and tag.session is not None:
+            # its session recognized: the middleware can name only the response, by which this request is found
             for key in answer_keys(request_id):
                 self._answer_sessions[key] = tag.session
             while len(self._answer_sessions) > _MAX_ANSWER_KEYS:
@@ -269,15 +269,24 @@ class AgentKVRuntime(RuntimeControl):
                 self._quoting.popitem(last=False)
         return tag
 
-    def _recognized(self, request: Request, tag: AgentTag | None) -> AgentTag | None:
-        """A tag wins; an untagged request gets the agent, session and parent recognition finds."""
+    def _recognized(self, request: Request, tag: AgentTag | None) -> tuple[AgentTag | None, bool]:
+        """(the request's tag, whether recognition found its session). A tag wins; an untagged
+        request gets the agent, session and parent recognition finds, and one that names its agent
+        but no session (nor an X-Session-ID) the session recognition finds: the conversation it
+        continues, or one of its own."""
         if self.recognizer is None or not self.block_size:
-            return tag
+            return tag, False
         tokens = request.prompt_token_ids or []
         if tag is not None:
-            if not tag.warmup:
-                self.recognizer.observe_tagged(tag.agent, request.block_hashes, tokens, self.block_size)
-            return tag
+            if tag.warmup or tag.session is not None or request.session_id:
+                if not tag.warmup:
+                    self.recognizer.observe_tagged(tag.agent, request.block_hashes, tokens, self.block_size)
+                return tag, False
+            found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
+                                              agent=tag.agent)
+            if found.session is None:
+                return tag, False
+            return AgentTag(tag.agent, found.session, tag.parent, tag.step), True
         session_id = request.session_id
         if session_id:
             try:
@@ -288,8 +297,8 @@ class AgentKVRuntime(RuntimeControl):
         found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
                                           session_id or None)
         if found.agent is None:
-            return None
-        return AgentTag(found.agent, found.session, found.parent, found.step)
+            return None, False
+        return AgentTag(found.agent, found.session, found.parent, found.step), True
 
     # -- scheduler events ----------------------------------------------------------
 

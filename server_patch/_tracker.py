@@ -172,7 +172,8 @@ class AnchorLengths:
     The anchor of an agent is the prefix every call of it repeats (system prompt, tools,
     examples). It is learned from block hashes: the longest common prefix of the agent's
     latest request and its previous request from *another* session (two calls in one
-    session also share that session's history, which is not anchor). At most ``max_agents``
+    session also share that session's history, which is not anchor; a call outside any
+    session is a session of its own). At most ``max_agents``
     agents are remembered; the least recently observed one is forgotten first.
     """
 
@@ -192,7 +193,7 @@ class AnchorLengths:
                     break
                 common += 1
             self._length[agent] = common
-        if previous is None or previous[0] != session:
+        if previous is None or session is None or previous[0] != session:
             self._last[agent] = (session, list(hashes))
         self._last.move_to_end(agent)
         if len(self._last) > self._max_agents:

@@ -165,9 +165,11 @@ class AgentKVMiddleware:
                 (b"content-length", str(len(body)).encode())
             ]
         tag = body_result.tag if body_result.tag is not None else header_result.tag
-        if tag is not None and tag.session and not body_result.errors:
+        if tag is not None and not body_result.errors and (tag.session or (self.recognize and not tag.warmup)):
             tools = document.get("tools")
-            send = self._watching(send, AnswerWatch(tag.session, isinstance(tools, list) and bool(tools)))
+            # without a session the engine may recognize one: told, as an untagged answer, by response id
+            send = self._watching(send, AnswerWatch(tag.session or None, isinstance(tools, list) and bool(tools),
+                                                    path=scope["path"]))
         await self.app(scope, _replay(body, receive), send)
 
     def _watching(self, send: Send, watch: AnswerWatch) -> Send:

@@ -14,6 +14,7 @@ value of a group; lowest evicted first, ties by recency). In the spirit of SGLan
 | ``agentkv+facts`` | L1 + L2: plus the declared topology graph and session_end events |
 | ``agentkv+warmup`` | as ``agentkv+facts`` plus anchor warm-up requests between turns |
 | ``agentkv-untagged`` | L0 sent to the runtime: no tags, no session ids; agents and sessions recognized |
+| ``agentkv-agent-only`` | L1 without sessions: each request names its agent alone; sessions recognized |
 | ``kvflow`` | L2: steps-to-execution on the declared graph (KVFlow) |
 | ``belady`` | L3: the future trace; evicts the block whose next use is furthest |
 """
@@ -233,10 +234,11 @@ class AgentKV(Policy):
     name = "agentkv"
 
     def __init__(self, config: RuntimeConfig | None = None, *, facts: bool = False, warmup: bool = False,
-                 tagged: bool = True, warmup_policy: WarmupPolicy | None = None, max_per_second: float = 2.0,
-                 burst: float = 2.0) -> None:
+                 tagged: bool = True, sessions: bool = True, warmup_policy: WarmupPolicy | None = None,
+                 max_per_second: float = 2.0, burst: float = 2.0) -> None:
         self.config = config or RuntimeConfig()
         self.tagged = tagged  # False: requests carry neither tags nor session ids (recognition's input)
+        self.sessions = sessions  # False: tags name the agent alone (no session, parent, step, X-Session-ID)
         self.facts = facts
         self.warmup = warmup
         self.warmup_policy = warmup_policy or WarmupPolicy()
@@ -274,7 +276,7 @@ class AgentKV(Policy):
 
     def on_finish(self, sim: Simulator, request: Request, record: TapeRequest) -> None:
         tool_call = sim.plan.is_tool_call(record)  # what the middleware reads off the response
-        if self.tagged:
+        if self.tagged and self.sessions:
             self.runtime.answered(record.session, tool_call)
         else:  # named by its response id: the recognized session's answer
             self.runtime.answered_request(request.request_id, tool_call)
@@ -348,6 +350,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "agentkv+facts": lambda: AgentKV(facts=True),
     "agentkv+warmup": lambda: AgentKV(facts=True, warmup=True),
     "agentkv-untagged": lambda: AgentKV(tagged=False),
+    "agentkv-agent-only": lambda: AgentKV(sessions=False),
     "ttl": TTL,
     "kvflow": KVFlow,
     "belady": Belady,

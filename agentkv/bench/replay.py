@@ -185,13 +185,15 @@ class Replay:
     def _arrive(self, index: int) -> None:
         record = self.plan.requests[index]
         tag = None
+        named = self.policy.tagged and self.policy.sessions
         if self.policy.tagged:
             try:
-                tag = AgentTag(record.agent, record.session, record.parent, record.step).to_xargs()
+                tag = (AgentTag(record.agent, record.session, record.parent, record.step) if named
+                       else AgentTag(record.agent)).to_xargs()
             except ProtocolError:
                 tag = None  # a step beyond the wire format's bound: served untagged (ids are sanitized by TapePlan)
         params = SamplingParams(max_tokens=record.output_tokens, extra_args=tag)
-        session = record.session if self.policy.tagged else None  # untagged: no X-Session-ID either
+        session = record.session if named else None  # untagged or agent only: no X-Session-ID either
         request = Request(record.id, self.plan.prompts[index], params, None, arrival_time=self.now,
                           block_hasher=self.plan.hasher, session_id=session)
         self.live[index] = request

@@ -54,6 +54,7 @@ class Policy:
 
     name = "lru"
     tagged = True  # requests carry agentkv tags in extra_args (inert without the runtime)
+    sessions = True  # ... naming their session, parent and step, and an X-Session-ID; False: the agent alone
 
     def install(self, sim: Simulator) -> None:
         """Called once on a fresh manager, before the first request."""

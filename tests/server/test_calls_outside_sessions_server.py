@@ -1,6 +1,6 @@
-"""Calls tagged with their agent only, no session, on a real server: for the model each is a session
-of one call (its start counted, its query history of no live session), so the agents' anchors
-rank by how often they are called, as with a session per call."""
+"""Calls tagged with their agent only, no session, on a real server: recognition finds each call a
+session of its own (none continues another's conversation), so the agents' anchors rank by how
+often they are called, as with a session per call."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from agentkv.testing.server_stats import StatsSnapshot
 
-from .test_one_call_sessions_server import ANCHOR_BLOCKS, BLOCK, OFTEN, replay_calls
+from .test_one_call_sessions_server import ANCHOR_BLOCKS, BLOCK, CALLS, OFTEN, replay_calls
 
 pytestmark = pytest.mark.server
 
@@ -25,4 +25,7 @@ def test_the_anchor_of_the_agent_called_most_often_is_kept_when_calls_name_no_se
     assert often["vanilla"][2:] == [0] * (len(often["vanilla"]) - 2)
     stats = snapshot.now()
     assert stats["predictability"] == 0.0 and stats["policy"] == "survival"
-    assert stats["sessions"]["active"] == 0  # no session state was made up for them
+    # every call went through recognition, and none continued another's conversation
+    assert sum(snapshot.delta("recognition", counter, now=stats) for counter in
+               ("recognized_requests", "unrecognized_requests")) == CALLS
+    assert snapshot.delta("recognition", "followed_requests", now=stats) == 0

@@ -235,14 +235,17 @@ def test_the_answered_op_refuses_malformed_input(request_):
                               b'}]}}]}\n\n', b"data: [DONE]\n\n"], "chatcmpl-9a"),
     ("/v1/completions", [b'{"id":"cmpl-77","choices":[{"finish_reason":"tool_calls"}]}'], "cmpl-77-0"),
 ])
-async def test_an_untagged_answer_is_told_by_its_response_id(runtime_endpoint, path, chunks, key):
+@pytest.mark.parametrize("headers", [{}, {"X-AgentKV-Agent": "coder"}], ids=["untagged", "agent-only"])
+async def test_an_answer_without_a_session_is_told_by_its_response_id(runtime_endpoint, path, chunks, key, headers):
+    """No agentkv metadata at all, or an agent and no session: recognition may have found its session."""
     middleware = AgentKVMiddleware(answering_app(chunks))
-    runtime_endpoint.timing.observe("recognized-1", "fp:abc", 0.0, 0)
-    runtime_endpoint._answer_sessions[key] = "recognized-1"  # what recognizing the request recorded
+    session = f"recognized-{key}-{len(headers)}"
+    runtime_endpoint.timing.observe(session, "fp:abc", 0.0, 0)
+    runtime_endpoint._answer_sessions[key] = session  # what recognizing the request recorded
     async with client(middleware) as c:
-        response = await c.post(path, json={**BODY, **TOOLS})  # no agentkv metadata at all
+        response = await c.post(path, json={**BODY, **TOOLS}, headers=headers)
     assert response.content == b"".join(chunks)
-    assert await _told(runtime_endpoint, "recognized-1") is True
+    assert await _told(runtime_endpoint, session) is True
     assert middleware.answer_failures == 0
 
 

@@ -42,6 +42,34 @@ def sessions(runtime: AgentKVRuntime, kv, count: int, *, first: int = 0) -> list
     return out
 
 
+def agent_only(prompt: list[int], agent: str) -> Request:
+    params = SamplingParams(max_tokens=1, extra_args=AgentTag(agent).to_xargs())
+    return Request(f"a{next(_ids)}", prompt, params, None, block_hasher=HASHER)
+
+
+def test_requests_that_name_their_agent_and_no_session_get_the_session_of_the_conversation_they_continue():
+    """Tagged with the agent alone: recognition finds the session (the pipeline conversation each
+    request extends, named after the tagged agents); the tags' agents stay as they are."""
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    tags = []
+    for s in range(8):
+        history = tokens(f"task-{s}", 50)
+        for agent in AGENTS:
+            req = agent_only(ANCHORS[agent] + history, agent)
+            run(kv, runtime, req)
+            tags.append(runtime.tag_of(req))
+            history = history + tokens(f"out-{s}-{agent}", 40)
+    measured = tags[12:]  # once the agents' anchors are known
+    assert [t.agent for t in measured] == list(AGENTS) * 4
+    per_session = [measured[i : i + 3] for i in range(0, len(measured), 3)]
+    assert all(len({t.session for t in calls}) == 1 for calls in per_session)
+    assert len({calls[0].session for calls in per_session}) == 4
+    learner = runtime.learner
+    supervisor, coder = learner.agents.index("supervisor"), learner.agents.index("coder")
+    assert learner.counts()[supervisor, coder] > 0  # the session's last agent is the parent
+
+
 def test_untagged_requests_are_learned_as_agents_with_sessions():
     runtime, kv = AgentKVRuntime(), manager(400)
     runtime.install(kv)

@@ -271,6 +271,18 @@ def test_what_a_call_outside_any_session_caches_beyond_its_anchor_is_history_unt
     assert [tracker._group[i] for i in range(6)] == [Anchor(summarizer)] * 6
 
 
+def test_the_anchor_of_calls_outside_any_session_follows_a_changed_prompt():
+    from server_patch._tracker import AnchorLengths
+
+    anchors = AnchorLengths()
+    anchors.observe("summarizer", None, [1, 2, 3, 10])
+    anchors.observe("summarizer", None, [1, 2, 3, 11])
+    assert anchors.length("summarizer") == 3
+    anchors.observe("summarizer", None, [5, 6, 12])  # a new system prompt
+    anchors.observe("summarizer", None, [5, 6, 13])
+    assert anchors.length("summarizer") == 2 and list(anchors.anchor_hashes("summarizer")) == [5, 6]
+
+
 def test_calls_outside_any_session_between_sessions_keep_their_anchor_and_not_their_queries():
     """A summarizer called without a session between pipeline dispatches: its anchor is reused, each
     of its queries never is. Filed as its anchor, those queries would pile up at the anchor's
