@@ -312,12 +312,12 @@ class AgentKVRuntime(RuntimeControl):
         self.tagged_requests += 1
         self.anchors.observe(tag.agent, tag.session, request.block_hashes)
         step = tag.step
-        if tag.session is None and not tag.warmup:
-            self.timing.call_outside_session(self.clock())
-        elif tag.session is not None and not tag.warmup:
+        if tag.session is not None and not tag.warmup:  # a warm-up starts and continues no session
             if step is None:  # a client that sends no step: one agent's consecutive calls are one dispatch
                 step = self.timing.implied_step(tag.session, tag.agent)
             self.timing.observe(tag.session, tag.agent, self.clock(), step)
+        elif not tag.warmup:  # no session sent, none recognized: a session of one call
+            self.timing.call_outside_session(self.clock())
         if tag.session is not None and self.facts.is_ended(tag.session):
             self.facts.start_session(tag.session)  # a tagged request revives an ended session id
         self.learner.observe(tag.agent, tag.session, tag.parent, step=step, warmup=tag.warmup)
