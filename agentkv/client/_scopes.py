@@ -79,7 +79,8 @@ def agent(
     (or ``async with``). Entering records a dispatch: the parent is the previous agent
     dispatched in ``session`` (``""`` for the first), the step increments, and the
     :func:`~agentkv.client.on_dispatch` listeners run. ``session=None`` inherits the session of an
-    enclosing tag, if any. ``name`` and ``session`` are sanitized to valid protocol ids. The tag is
+    enclosing tag, if any (with none, the server recognizes the session from the prompt). ``name``
+    and ``session`` are sanitized to valid protocol ids. The tag is
     visible to code in the same context (threads and asyncio tasks started inside get a copy).
     """
 
