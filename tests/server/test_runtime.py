@@ -425,15 +425,18 @@ def one_call_sessions(n_sessions: int, *, sessions: bool = True):
         yield agent, prompt, AgentTag(agent, f"one-{s}", "", 0) if sessions else AgentTag(agent)
 
 
-@pytest.mark.parametrize("sessions", [True, False], ids=["a-session-each", "no-session"])
+@pytest.mark.parametrize(("sessions", "recognize"), [(True, True), (False, True), (False, False)],
+                         ids=["a-session-each", "no-session", "no-session-recognition-off"])
 @pytest.mark.parametrize("enabled", [False, True])
-def test_sessions_of_one_call_each_keep_the_anchor_of_the_agent_that_starts_most_of_them(enabled, sessions):
-    """Every call a session of its own, or tagged with its agent only: no transition is ever learned
-    (R = 0), yet the anchor of the agent called most often must outlast the other agents' calls,
-    which LRU cycles it out of."""
+def test_sessions_of_one_call_each_keep_the_anchor_of_the_agent_that_starts_most_of_them(enabled, sessions,
+                                                                                         recognize):
+    """Every call a session of its own, or tagged with its agent only (recognition finds it a session
+    of its own; without recognition it is a session of one call all the same): no transition is
+    ever learned (R = 0), yet the anchor of the agent called most often must outlast the other
+    agents' calls, which LRU cycles it out of."""
     clock = [0.0]
     kv = manager(3 * ANCHOR_BLOCKS + HISTORY_BLOCKS + 1 + 3)  # three anchors and one call's history
-    runtime = AgentKVRuntime(RuntimeConfig(enabled=enabled), clock=lambda: clock[0])
+    runtime = AgentKVRuntime(RuntimeConfig(enabled=enabled, recognize=recognize), clock=lambda: clock[0])
     runtime.install(kv)
     hits = []
     for agent, prompt, tag in one_call_sessions(60, sessions=sessions):
