@@ -33,14 +33,14 @@ from agentkv.graph import (
     restore_or_fresh,
     score_reuse,
 )
-from agentkv.protocol import AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_id
+from agentkv.protocol import AgentTag, MalformedCounter
 
-from ._answers import answer_keys
 from ._config import RuntimeConfig
 from ._free_queue import ScoredFreeBlockQueue
 from ._recognize import Recognizer
 from ._rows import OTHER, tracked
 from ._runtime_control import PEER_WEIGHT_FLOOR, STATS_MAX_AGE, RuntimeControl
+from ._tagging import RequestTagging
 from ._trace import RequestTrace
 from ._tracker import AnchorLengths, BlockTracker
 from ._warmups import WarmupLedger
@@ -50,9 +50,6 @@ __all__ = ["OTHER", "PEER_WEIGHT_FLOOR", "STATS_MAX_AGE", "AgentKVRuntime", "Run
 logger = logging.getLogger("agentkv.server")
 
 _RETIRED = -math.inf
-_UNPARSED = object()  # tag_of's cache miss (a cached None means: parsed, untagged)
-_MAX_CACHED_TAGS = 65_536
-_MAX_ANSWER_KEYS = 8_192  # recognized requests whose answer may still be told (two keys each)
 # Scores depend on how long sessions have been idle: re-evaluate at least this often (clock s).
 _RESCORE_INTERVAL = 0.25
 # The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
@@ -73,7 +70,7 @@ def _session_of(group: Hashable) -> str | None:
     return group.session if type(group) is History else None  # type: ignore[attr-defined]
 
 
-class AgentKVRuntime(RuntimeControl):
+class AgentKVRuntime(RequestTagging, RuntimeControl):
     """Agent-aware eviction for one KVCacheManager.
 
     Invariants: every scheduler entry point and every control request runs under
@@ -111,8 +108,8 @@ class AgentKVRuntime(RuntimeControl):
         self.answers: Counter[str] = Counter()  # answers told by the middleware: tool_call / no_tool_call
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
-        self._answer_sessions: OrderedDict[str, str] = OrderedDict()  # answer key -> recognized session
-        self._quoting: OrderedDict[str, AgentTag] = OrderedDict()  # recognized requests not yet freed
+        self._answer_sessions: OrderedDict[str, str] = OrderedDict()
+        self._quoting: OrderedDict[str, AgentTag] = OrderedDict()
         self.queue_lengths: Callable[[], tuple[int, int]] | None = None  # set by the scheduler
         self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int, int] | None = None
@@ -237,68 +234,6 @@ class AgentKVRuntime(RuntimeControl):
         quoting = self._quoting.pop(request.request_id, None)
         if quoting is not None and self.recognizer is not None and request.num_output_tokens:
             self.recognizer.observe_answer(quoting.session, quoting.agent, request.output_token_ids)
-
-    def tag_of(self, request: Request) -> AgentTag | None:
-        """The request's agentkv tag (parsed once per request; malformed ones counted)."""
-        request_id = request.request_id
-        known = self._tags.get(request_id, _UNPARSED)
-        if known is not _UNPARSED:
-            return known  # type: ignore[return-value]
-        extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-        result = parse_xargs(extra)
-        self.malformed.record(result.errors)
-        tag, recognized = self._recognized(request, result.tag)
-        # X-Session-ID stands in for a missing agentkv session, except on warm-ups, which
-        # carry it only as a routing key and must not join (or revive) any session
-        if tag is not None and tag.session is None and request.session_id and not tag.warmup:
-            try:
-                tag = AgentTag(tag.agent, request.session_id, tag.parent, tag.step, tag.warmup)
-            except ProtocolError as exc:
-                self.malformed.record((exc,))  # type: ignore[arg-type]
-        self._tags[request_id] = tag
-        if len(self._tags) > _MAX_CACHED_TAGS:
-            self._tags.popitem(last=False)
-        if recognized and tag is not None and tag.session is not None:
-            # its session recognized: the middleware can name only the response, by which this request is found
-            for key in answer_keys(request_id):
-                self._answer_sessions[key] = tag.session
-            while len(self._answer_sessions) > _MAX_ANSWER_KEYS:
-                self._answer_sessions.popitem(last=False)
-            self._quoting[request_id] = tag  # its answer is read when it is freed
-            while len(self._quoting) > _MAX_ANSWER_KEYS:
-                self._quoting.popitem(last=False)
-        return tag
-
-    def _recognized(self, request: Request, tag: AgentTag | None) -> tuple[AgentTag | None, bool]:
-        """(the request's tag, whether recognition found its session). A tag wins; an untagged
-        request gets the agent, session and parent recognition finds, and one that names its agent
-        but no session (nor an X-Session-ID) the session recognition finds: the conversation it
-        continues, or one of its own."""
-        if self.recognizer is None or not self.block_size:
-            return tag, False
-        tokens = request.prompt_token_ids or []
-        if tag is not None:
-            if tag.warmup or tag.session is not None or request.session_id:
-                if not tag.warmup:
-                    self.recognizer.observe_tagged(tag.agent, request.block_hashes, tokens, self.block_size)
-                return tag, False
-            found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
-                                              agent=tag.agent)
-            if found.session is None:
-                return tag, False
-            return AgentTag(tag.agent, found.session, tag.parent, tag.step), True
-        session_id = request.session_id
-        if session_id:
-            try:
-                validate_id(session_id, "session")
-            except ProtocolError as exc:  # an X-Session-ID outside the wire alphabet: counted, then
-                self.malformed.record((exc,))  # type: ignore[arg-type]
-                session_id = None  # recognition follows the conversation itself
-        found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
-                                          session_id or None)
-        if found.agent is None:
-            return None, False
-        return AgentTag(found.agent, found.session, found.parent, found.step), True
 
     # -- scheduler events ----------------------------------------------------------
 
