@@ -92,7 +92,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self.learner.peers.max_replicas = self.config.max_peers
         self.predictor = Predictor(self.learner, self.facts)
         self.timing = SessionTiming()
-        self.tracker = BlockTracker()
+        self.tracker = BlockTracker(untag_sessionless=not self.config.recognize)
         self.anchors = AnchorLengths()
         self.warmups = WarmupLedger(clock)
         self.trace = RequestTrace(self.config.trace_path) if self.config.trace_path else None

@@ -43,14 +43,10 @@ class RequestTagging:
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
         result = parse_xargs(extra)
         self.malformed.record(result.errors)
-        tag, recognized = self._recognized(request, result.tag)
-        # X-Session-ID stands in for a missing agentkv session, except on warm-ups, which
-        # carry it only as a routing key and must not join (or revive) any session
-        if tag is not None and tag.session is None and request.session_id and not tag.warmup:
-            try:
-                tag = AgentTag(tag.agent, request.session_id, tag.parent, tag.step, tag.warmup)
-            except ProtocolError as exc:
-                self.malformed.record((exc,))  # type: ignore[arg-type]
+        session_id = self._session_header(request, result.tag)
+        tag, recognized = self._recognized(request, result.tag, session_id)
+        if tag is not None and tag.session is None and session_id:
+            tag = AgentTag(tag.agent, session_id, tag.parent, tag.step)
         self._tags[request_id] = tag
         if len(self._tags) > _MAX_CACHED_TAGS:
             self._tags.popitem(last=False)
@@ -65,18 +61,35 @@ class RequestTagging:
                 self._quoting.popitem(last=False)
         return tag
 
-    def _recognized(self, request: Request, tag: AgentTag | None) -> tuple[AgentTag | None, bool]:
+    def _session_header(self, request: Request, tag: AgentTag | None) -> str | None:
+        """The X-Session-ID that names the request's session: on a tagged request that names none
+        (not a warm-up, which carries it only as a routing key and must not join or revive any
+        session), and on an untagged one while recognition runs. One outside the wire alphabet is
+        counted and ignored: recognition follows the conversation itself."""
+        session_id = request.session_id
+        if not session_id or (tag is None and self.recognizer is None):
+            return None
+        if tag is not None and (tag.session is not None or tag.warmup):
+            return None
+        try:
+            return validate_id(session_id, "session")
+        except ProtocolError as exc:
+            self.malformed.record((exc,))  # type: ignore[arg-type]
+            return None
+
+    def _recognized(self, request: Request, tag: AgentTag | None,
+                    session_id: str | None) -> tuple[AgentTag | None, bool]:
         """(the request's tag, whether recognition found its session). A tag wins; an untagged
         request gets the agent, session and parent recognition finds, and one that names its agent
-        but no session (nor an X-Session-ID) the session recognition finds: the conversation it
-        continues, or one of its own."""
+        but no session (nor a valid X-Session-ID, ``session_id``) the session recognition finds: the
+        conversation it continues, or one of its own."""
         if self.recognizer is None or not self.block_size:
             return tag, False
         tokens = request.prompt_token_ids or []
         if tag is not None:
             if tag.warmup:
                 return tag, False
-            if tag.session is not None or request.session_id:
+            if tag.session is not None or session_id:
                 self.recognizer.observe_tagged(tag.agent, request.block_hashes, tokens, self.block_size)
                 return tag, False
             found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
@@ -84,15 +97,8 @@ class RequestTagging:
             if found.session is None:
                 return tag, False
             return AgentTag(tag.agent, found.session, tag.parent, tag.step), True
-        session_id = request.session_id
-        if session_id:
-            try:
-                validate_id(session_id, "session")
-            except ProtocolError as exc:  # an X-Session-ID outside the wire alphabet: counted, then
-                self.malformed.record((exc,))  # type: ignore[arg-type]
-                session_id = None  # recognition follows the conversation itself
         found = self.recognizer.recognize(request.request_id, request.block_hashes, tokens, self.block_size,
-                                          session_id or None)
+                                          session_id)
         if found.agent is None:
             return None, False
         return AgentTag(found.agent, found.session, found.parent, found.step), True

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+import functools
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -62,9 +63,15 @@ class BlockTracker:
     replace whatever the id held before (``cached``); prefix hits merge into it (``hit``).
     A block id without an entry, or a block without a hash, is untagged. Groups are
     interned, so tracking allocates nothing per block in the steady state.
+
+    ``untag_sessionless``: what a request outside any session caches or hits beyond its agent's
+    anchor stays untagged instead of joining ``NO_SESSION``'s history (the floor). For a server
+    without recognition: nothing there tells a one-off query from a conversation its agent's next
+    call continues, and at the floor a conversation's newest turn went first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, untag_sessionless: bool = False) -> None:
+        self.untag_sessionless = untag_sessionless
         self._group: dict[int, Anchor | History] = {}
         self._interned: dict[tuple[Anchor | History | None, str, str | None, bool, bool], Anchor | History] = {}
         self.evictions: Counter[str] = Counter()
@@ -87,11 +94,24 @@ class BlockTracker:
                 groups.pop(blocks[position].block_id, None)
             return
         # a new block's group depends only on whether it lies in the anchor: two groups per request
-        anchor, history = self._merge(None, tag, True), self._merge(None, tag, False)
-        for position in range(start, end):
+        split = min(max(start, anchor_blocks), end)
+        anchor = self._merge(None, tag, True)
+        for position in range(start, split):
             block = blocks[position]
             if not block.is_null:
-                groups[block.block_id] = anchor if position < anchor_blocks else history
+                groups[block.block_id] = anchor
+        if self._untagged_beyond_anchor(tag):
+            for position in range(split, end):
+                groups.pop(blocks[position].block_id, None)
+            return
+        history = self._merge(None, tag, False)
+        for position in range(split, end):
+            block = blocks[position]
+            if not block.is_null:
+                groups[block.block_id] = history
+
+    def _untagged_beyond_anchor(self, tag: AgentTag) -> bool:
+        return self.untag_sessionless and tag.session is None and not tag.warmup
 
     def hit(self, blocks: Iterable[_Block], tag: AgentTag, anchor_blocks: int) -> None:
         """A request found ``blocks`` (its prompt's leading blocks, in order) in the prefix cache."""
@@ -99,16 +119,19 @@ class BlockTracker:
         previous: Anchor | History | None = None
         in_anchor = True
         merged: Anchor | History | None = None
+        untagged = self._untagged_beyond_anchor(tag)
+        fresh = True
         for position, block in enumerate(blocks):
             if block.is_null:
                 continue
             group = groups.get(block.block_id)
             inside = position < anchor_blocks
             # runs of blocks share one (interned) group: merge once per run
-            if merged is None or group is not previous or inside is not in_anchor:
-                previous, in_anchor = group, inside
-                merged = self._merge(group, tag, inside)
-            groups[block.block_id] = merged
+            if fresh or group is not previous or inside is not in_anchor:
+                previous, in_anchor, fresh = group, inside, False
+                merged = None if untagged and group is None and not inside else self._merge(group, tag, inside)
+            if merged is not None:
+                groups[block.block_id] = merged
 
     def uncached(self, blocks: Iterable[_Block]) -> None:
         """``blocks`` lost their hash without being evicted (a reset, an invalidation): forget them."""
@@ -172,33 +195,40 @@ class AnchorLengths:
     The anchor of an agent is the prefix every call of it repeats (system prompt, tools,
     examples). It is learned from block hashes: the longest common prefix of the agent's
     latest request and its previous request from *another* session (two calls in one
-    session also share that session's history, which is not anchor; a call outside any
-    session is a session of its own). At most ``max_agents``
-    agents are remembered; the least recently observed one is forgotten first.
+    session also share that session's history, which is not anchor). A call outside any
+    session names none, so it is compared with each of the agent's last ``window`` calls and
+    the anchor is the shortest prefix it shares with one of them: two calls that continue one
+    conversation share that conversation too, and calls from interleaved conversations rarely
+    all continue one; a call that shares nothing (before a changed system prompt) counts not. At most
+    ``max_agents`` agents are remembered; the least recently observed one is forgotten first.
     """
 
-    def __init__(self, max_blocks: int = 1024, max_agents: int = 1024) -> None:
+    def __init__(self, max_blocks: int = 1024, max_agents: int = 1024, window: int = 4) -> None:
         self._last: OrderedDict[str, tuple[str | None, Sequence[object]]] = OrderedDict()
+        self._sessionless: dict[str, deque[Sequence[object]]] = {}  # the agent's latest calls without a session
         self._length: dict[str, int] = {}
         self._max_blocks = max_blocks
         self._max_agents = max_agents
+        self._window = window
 
     def observe(self, agent: str, session: str | None, block_hashes: Sequence[object]) -> None:
         hashes = block_hashes[: self._max_blocks]
         previous = self._last.get(agent)
-        if previous is not None and (session is None or previous[0] != session):
-            common = 0
-            for mine, theirs in zip(hashes, previous[1], strict=False):
-                if mine != theirs:
-                    break
-                common += 1
-            self._length[agent] = common
+        if session is None:
+            recent = self._sessionless.setdefault(agent, deque(maxlen=self._window))
+            if previous is not None:
+                shared = [n for n in map(functools.partial(_common_prefix, hashes), [*recent, previous[1]]) if n]
+                self._length[agent] = min(shared, default=0)
+            recent.append(list(hashes))
+        elif previous is not None and previous[0] != session:
+            self._length[agent] = _common_prefix(hashes, previous[1])
         if previous is None or session is None or previous[0] != session:
             self._last[agent] = (session, list(hashes))
         self._last.move_to_end(agent)
         if len(self._last) > self._max_agents:
             forgotten, _ = self._last.popitem(last=False)
             self._length.pop(forgotten, None)
+            self._sessionless.pop(forgotten, None)
 
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)
@@ -220,3 +250,12 @@ class AnchorLengths:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self._length)
+
+
+def _common_prefix(mine: Sequence[object], theirs: Sequence[object]) -> int:
+    common = 0
+    for a, b in zip(mine, theirs, strict=False):
+        if a != b:
+            break
+        common += 1
+    return common

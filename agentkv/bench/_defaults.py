@@ -5,8 +5,8 @@ from __future__ import annotations
 TOPOLOGY_NAMES = ("pipeline", "debate", "selector", "random")  # == topologies.TOPOLOGIES
 WORKLOAD_NAMES = (*TOPOLOGY_NAMES, "teams", "multi-app", "heavy-tools", "abandoned")  # == workloads.WORKLOADS
 POLICY_NAMES = ("lru", "ttl", "kvflow", "agentkv", "agentkv+facts", "agentkv+warmup", "agentkv-untagged",
-                "agentkv-agent-only", "belady")  # == policies.POLICIES
-DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if p not in ("agentkv-untagged", "agentkv-agent-only"))
+                "agentkv-agent-only", "agentkv-agent-only-no-recognition", "belady")  # == policies.POLICIES
+DEFAULT_POLICIES = tuple(p for p in POLICY_NAMES if not p.startswith(("agentkv-untagged", "agentkv-agent-only")))
 DEFAULT_MULTIPLIERS = (1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)  # x the tape's largest request, in blocks
 DEFAULT_MARGIN = 15.0  # preflight: points of token hit rate between belady and lru
 # The environment of every vLLM server the benchmarks start (on top of the caller's): the models

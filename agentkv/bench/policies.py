@@ -15,6 +15,7 @@ value of a group; lowest evicted first, ties by recency). In the spirit of SGLan
 | ``agentkv+warmup`` | as ``agentkv+facts`` plus anchor warm-up requests between turns |
 | ``agentkv-untagged`` | L0 sent to the runtime: no tags, no session ids; agents and sessions recognized |
 | ``agentkv-agent-only`` | L1 without sessions: each request names its agent alone; sessions recognized |
+| ``agentkv-agent-only-no-recognition`` | as ``agentkv-agent-only`` on a server with recognition off |
 | ``kvflow`` | L2: steps-to-execution on the declared graph (KVFlow) |
 | ``belady`` | L3: the future trace; evicts the block whose next use is furthest |
 """
@@ -351,6 +352,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "agentkv+warmup": lambda: AgentKV(facts=True, warmup=True),
     "agentkv-untagged": lambda: AgentKV(tagged=False),
     "agentkv-agent-only": lambda: AgentKV(sessions=False),
+    "agentkv-agent-only-no-recognition": lambda: AgentKV(RuntimeConfig(recognize=False), sessions=False),
     "ttl": TTL,
     "kvflow": KVFlow,
     "belady": Belady,

@@ -176,6 +176,22 @@ def test_cli_replay_always_runs_the_references(tmp_path, capsys):
     assert [r["policy"] for r in report["results"]] == ["lru", "belady", "agentkv"]
 
 
+def test_cli_replay_refuses_a_request_beyond_any_context_window(tmp_path):
+    """A request of 100M tokens (a typo, or a tape from a broken tool): the replay computes every token
+    id, so it hung for minutes growing gigabytes; now the reader names the line before any work."""
+    from agentkv.__main__ import main
+    from agentkv.bench.tape.format import MAX_REQUEST_TOKENS
+
+    header = {"format": "agentkv-tape", "version": 1, "block_size": 16}
+    line = {"session": "a", "agent": "x", "parent": "", "output_tokens": 1, "tool_gap": 0}
+    tape = tmp_path / "huge.jsonl"
+    tape.write_text("\n".join(json.dumps(x) for x in [
+        header, {**line, "t": 0, "segments": [["anchor/x", 32]]},
+        {**line, "t": 1, "segments": [["anchor/x", 32], ["pasted", 100_000_000]]}]) + "\n")
+    with pytest.raises(SystemExit, match=f"line 3: .*at most {MAX_REQUEST_TOKENS:,}"):
+        main(["bench", "replay", str(tape), "--policies", "lru", "--jobs", "1", "--quiet", "--out", str(tmp_path)])
+
+
 def test_capacity_below_the_largest_request_is_refused(selector):
     with pytest.raises(replay_module.CapacityError):
         Replay(selector, POLICIES["lru"](), selector.max_request_blocks)

@@ -133,6 +133,27 @@ def test_an_x_session_id_off_the_wire_is_counted_and_recognition_follows_the_ses
     assert runtime.malformed.total == 3  # each request's X-Session-ID counted, none served untagged
 
 
+def test_an_agent_only_request_with_an_x_session_id_off_the_wire_gets_the_session_recognition_finds():
+    """Tagged with its agent alone and an X-Session-ID that is no agentkv id: the header is counted
+    and ignored, and the request is read as one that sends no session (recognition follows the
+    conversation), not as a call outside any session."""
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    sessions(runtime, kv, 4)
+    history = tokens("task-odd-tagged", 50)
+    calls = []
+    for agent in AGENTS:
+        params = SamplingParams(max_tokens=1, extra_args=AgentTag(agent).to_xargs())
+        req = Request(f"a{next(_ids)}", ANCHORS[agent] + history, params, None, block_hasher=HASHER,
+                      session_id="user 42")
+        run(kv, runtime, req)
+        calls.append(runtime.tag_of(req))
+        history = history + tokens(f"out-odd-tagged-{agent}", 40)
+    assert [tag.agent for tag in calls] == list(AGENTS)
+    assert len({tag.session for tag in calls}) == 1 and calls[0].session.startswith("fs:")
+    assert runtime.malformed.total == 3
+
+
 def test_an_untagged_answer_is_told_to_its_recognized_session():
     """The middleware names an untagged request by its response id (vLLM runs it as that id plus
     ``-`` and 8 random characters); the answer reaches the session recognition gave it."""

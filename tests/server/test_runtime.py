@@ -269,6 +269,15 @@ def test_what_a_call_outside_any_session_caches_beyond_its_anchor_is_history_unt
     assert [tracker._group[i] for i in range(6)] == [Anchor(summarizer)] * 4 + [History(NO_SESSION, summarizer)] * 2
     tracker.cached(blocks, 0, 6, AgentTag("summarizer", warmup=True), 2)  # a warm-up holds only an anchor
     assert [tracker._group[i] for i in range(6)] == [Anchor(summarizer)] * 6
+    untagging = BlockTracker(untag_sessionless=True)  # a server without recognition
+    untagging.cached(blocks, 0, 6, AgentTag("summarizer"), 2)
+    assert untagging._group == {0: Anchor(summarizer), 1: Anchor(summarizer)}
+    untagging.hit(blocks[:4], AgentTag("summarizer"), 2)  # the next turn: still untagged beyond the anchor
+    assert untagging._group == {0: Anchor(summarizer), 1: Anchor(summarizer)}
+    untagging.cached(blocks, 2, 6, AgentTag("summarizer", "s1"), 2)  # a session's history is its own
+    assert [untagging._group[i] for i in range(2, 6)] == [History("s1", summarizer)] * 4
+    untagging.cached(blocks, 0, 6, AgentTag("summarizer", warmup=True), 2)
+    assert [untagging._group[i] for i in range(6)] == [Anchor(summarizer)] * 6
 
 
 def test_the_anchor_of_calls_outside_any_session_follows_a_changed_prompt():

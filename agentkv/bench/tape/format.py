@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_OFFSET",
     "DEFAULT_VOCAB",
     "FORMAT",
+    "MAX_REQUEST_TOKENS",
     "VERSION",
     "Tape",
     "TapeError",
@@ -35,6 +36,9 @@ DEFAULT_VOCAB = 30_000
 DEFAULT_OFFSET = 1_000
 ANCHOR_PREFIX = "anchor/"
 MAX_TOKEN_ID = 2**31 - 1  # an engine's token ids are 32-bit
+# prompt + output tokens of one request: the longest context windows served today; a replay
+# computes every token id, so an unbounded count would hang it rather than fail
+MAX_REQUEST_TOKENS = 2**20
 
 
 class TapeError(ValueError):
@@ -227,6 +231,8 @@ def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
         segments.append((segment[0], segment[1]))
     if not segments:
         raise _fail(line, "a request needs at least one segment")
+    if sum(n for _, n in segments) + obj["output_tokens"] > MAX_REQUEST_TOKENS:
+        raise _fail(line, f"a request's prompt and output tokens must total at most {MAX_REQUEST_TOKENS:,}")
     if not (math.isfinite(obj["t"]) and math.isfinite(obj["tool_gap"])):
         raise _fail(line, "t and tool_gap must be finite numbers")
     if obj["output_tokens"] < 1 or obj["tool_gap"] < 0 or obj["t"] < 0 or not obj["session"] or not obj["agent"]:
