@@ -242,15 +242,17 @@ def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseR
     """Parse the agentkv headers of one request (header names are case-insensitive).
 
     ``X-Session-ID`` alone does not make a tag, but it stands in for a missing
-    ``X-AgentKV-Session``.
+    ``X-AgentKV-Session``; the header is vLLM's, so a value outside agentkv's ids does not make
+    the tag malformed: it is left out (the engine counts it where it reads the header).
     """
     lowered = {k.lower(): v.strip(_OWS) for k, v in headers.items()}
     values: dict[str, object] = {}
     for key, header, _ in _FIELDS:
         if header.lower() in lowered:
             values[key] = lowered[header.lower()]
-    if values and "session" not in values and HEADER_VLLM_SESSION.lower() in lowered:
-        values["session"] = lowered[HEADER_VLLM_SESSION.lower()]
+    stand_in = lowered.get(HEADER_VLLM_SESSION.lower())
+    if values and "session" not in values and stand_in is not None and _ID_PATTERN.fullmatch(stand_in):
+        values["session"] = stand_in
     return _parse(values, _HEADER_NAMES, strict)
 
 

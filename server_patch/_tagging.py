@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 from vllm.v1.request import Request
 
-from agentkv.protocol import AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_id
+from agentkv.protocol import HEADER_VLLM_SESSION, AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_id
 
 from ._answers import answer_keys
 from ._recognize import Recognizer
@@ -72,7 +72,7 @@ class RequestTagging:
         if tag is not None and (tag.session is not None or tag.warmup):
             return None
         try:
-            return validate_id(session_id, "session")
+            return validate_id(session_id, HEADER_VLLM_SESSION)
         except ProtocolError as exc:
             self.malformed.record((exc,))  # type: ignore[arg-type]
             return None

@@ -47,6 +47,11 @@ def test_vllm_session_header_stands_in_for_the_agentkv_one():
     assert parse_headers({"X-AgentKV-Agent": "a", "X-Session-ID": "s9"}).tag == AgentTag("a", session="s9")
     assert parse_headers({"X-Session-ID": "s9"}).tag is None  # a session alone is not a tag
     assert parse_headers({}).tag is None and parse_xargs(None).tag is None
+    # vLLM's header, not agentkv's: a value outside agentkv's ids (a space, base64's "=") is left out
+    for routing_key in ("user 42", "dXNlcjQy=", "x" * 129):
+        result = parse_headers({"X-AgentKV-Agent": "a", "X-Session-ID": routing_key})
+        assert result.tag == AgentTag("a") and result.errors == ()
+    assert parse_headers({"X-AgentKV-Agent": "a", "X-AgentKV-Session": "user 42"}).tag is None  # agentkv's own
 
 
 @pytest.mark.parametrize(

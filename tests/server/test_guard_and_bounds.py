@@ -284,6 +284,16 @@ def test_anchor_lengths_forget_the_least_recent_agents():
     assert anchors.as_dict() == {"agent-3": 2}  # agent-4 was the least recently observed
 
 
+def test_anchor_lengths_of_calls_outside_any_session_keep_a_bounded_window():
+    anchors = AnchorLengths(max_agents=2, window=3)
+    for number in range(5):
+        for call in range(10):
+            anchors.observe(f"agent-{number}", None, [1, 2, 100 + call])
+    assert set(anchors._sessionless) == {"agent-3", "agent-4"}  # forgotten with the agent
+    assert all(len(calls) == 3 for calls in anchors._sessionless.values())
+    assert anchors.as_dict() == {"agent-3": 2, "agent-4": 2}
+
+
 @pytest.mark.anyio
 async def test_the_engine_is_asked_to_save_before_vllm_shuts_it_down(tmp_path, monkeypatch):
     endpoint = f"ipc://{tmp_path}/control.ipc"

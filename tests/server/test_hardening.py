@@ -195,15 +195,19 @@ def test_headers_follow_http(server, client):
     sessions = [("Authorization", AUTH["Authorization"]), ("X-AgentKV-Agent", "one"),
                 ("X-Session-ID", "s1"), ("X-Session-ID", "s2")]
     assert client.post("/v1/completions", json=COMPLETION, headers=sessions).status_code == 200
+    routed = [("Authorization", AUTH["Authorization"]), ("X-AgentKV-Agent", "routed"), ("X-Session-ID", "user 42")]
+    assert client.post("/v1/completions", json=COMPLETION, headers=routed).status_code == 200
     boolean_step = {**COMPLETION, "vllm_xargs": {"agentkv_agent": "stepper", "agentkv_step": True}}
     assert client.post("/v1/completions", json=boolean_step, headers=AUTH).status_code == 200
     time.sleep(STATS_MAX_AGE)  # the engine reuses a stats document for up to this long
     stats = _stats(client)
     grown = {k: v - before.get(k, 0) for k, v in stats["malformed_metadata"].items() if v != before.get(k, 0)}
-    assert grown == {"X-AgentKV-Agent": 1, "X-Session-ID": 1, "agentkv_step": 1}
+    # the routing key outside agentkv's ids is counted (by the engine) and its agent tag kept
+    assert grown == {"X-AgentKV-Agent": 1, "X-Session-ID": 2, "agentkv_step": 1}
     assert stats["sessions"]["current"].get("pad-1") == "padded"
     learned = client.get(STATE_PATH, headers=AUTH).json()["agents"]
-    assert "padded" in learned and "stepper" not in learned and "one" not in learned and "two" not in learned
+    assert "padded" in learned and "routed" in learned
+    assert "stepper" not in learned and "one" not in learned and "two" not in learned
 
 
 def test_the_server_still_serves_after_all_of_it(client):
