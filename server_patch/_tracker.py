@@ -39,7 +39,8 @@ def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) 
     within its agent's learned anchor length or was seen by two requests of different
     sessions (or of none); otherwise it is its one session's *history*. What a request
     outside any session caches beyond the anchor is history of ``NO_SESSION``: only a repeat
-    of the same prompt would reuse it (a warm-up holds nothing but an anchor). Blocks in one
+    of the same prompt would reuse it (a warm-up holds nothing but an anchor; without
+    recognition the tracker leaves it untagged instead, ``BlockTracker.untag_sessionless``). Blocks in one
     group share a survival probability; a block shared by several agents keeps them all (up
     to a bound) and survives as well as the best of them.
     """
@@ -199,8 +200,9 @@ class AnchorLengths:
     session names none, so it is compared with each of the agent's last ``window`` calls and
     the anchor is the shortest prefix it shares with one of them: two calls that continue one
     conversation share that conversation too, and calls from interleaved conversations rarely
-    all continue one; a call that shares nothing (before a changed system prompt) counts not. At most
-    ``max_agents`` agents are remembered; the least recently observed one is forgotten first.
+    all continue one; a call that shares nothing (one before a changed system prompt) is not
+    counted. At most ``max_agents`` agents are remembered; the least recently observed one is
+    forgotten first.
     """
 
     def __init__(self, max_blocks: int = 1024, max_agents: int = 1024, window: int = 4) -> None:
