@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -214,18 +213,19 @@ class AnchorLengths:
         self._window = window
 
     def observe(self, agent: str, session: str | None, block_hashes: Sequence[object]) -> None:
-        hashes = block_hashes[: self._max_blocks]
+        hashes = list(block_hashes[: self._max_blocks])  # one copy, kept by _last and the window alike
         previous = self._last.get(agent)
         if session is None:
             recent = self._sessionless.setdefault(agent, deque(maxlen=self._window))
             if previous is not None:
-                shared = [n for n in map(functools.partial(_common_prefix, hashes), [*recent, previous[1]]) if n]
-                self._length[agent] = min(shared, default=0)
-            recent.append(list(hashes))
+                # the latest call is already in the window when it too named no session
+                others = recent if recent and recent[-1] is previous[1] else [*recent, previous[1]]
+                self._length[agent] = min((n for other in others if (n := _common_prefix(hashes, other))), default=0)
+            recent.append(hashes)
         elif previous is not None and previous[0] != session:
             self._length[agent] = _common_prefix(hashes, previous[1])
         if previous is None or session is None or previous[0] != session:
-            self._last[agent] = (session, list(hashes))
+            self._last[agent] = (session, hashes)
         self._last.move_to_end(agent)
         if len(self._last) > self._max_agents:
             forgotten, _ = self._last.popitem(last=False)
