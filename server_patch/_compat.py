@@ -36,6 +36,7 @@ _REQUIRED_PARAMETERS: dict[str, tuple[str, ...]] = {
         "blocks",
         "num_cached_blocks",
         "num_full_blocks",
+        "block_size",
     ),
     "vllm.v1.core.kv_cache_manager:KVCacheManager.record_prefix_cache_stats": ("request", "num_hits"),
     "vllm.v1.request:Request.__init__": ("session_id", "sampling_params"),

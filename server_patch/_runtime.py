@@ -140,6 +140,9 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         else:
             self._count_lru_evictions(pool.free_block_queue)
 
+        # A hybrid model's KV-cache group may have blocks a multiple of the hash block (which
+        # anchors are measured in): an anchor of n hash blocks fills n // k of that group's blocks.
+        group_block_sizes = [group.kv_cache_spec.block_size for group in manager.kv_cache_config.kv_cache_groups]
         cache_full_blocks = pool.cache_full_blocks
 
         @functools.wraps(cache_full_blocks)
@@ -147,8 +150,9 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
                                        num_full_blocks: int, *args: Any, **kwargs: Any) -> None:
             cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
             tag = self.tag_of(request)
+            block_size = kwargs.get("block_size", args[0] if args else self.block_size)
             self.tracker.cached(blocks, num_cached_blocks, num_full_blocks, tag,
-                                0 if tag is None else self.anchors.length(tag.agent))
+                                0 if tag is None else self._anchor_blocks(tag.agent, block_size))
 
         get_computed_blocks = manager.get_computed_blocks
 
@@ -157,9 +161,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             result = get_computed_blocks(request, *args, **kwargs)
             tag = self.tag_of(request)
             if tag is not None and result[1] > 0:
-                anchor_blocks = self.anchors.length(tag.agent)
-                for group in result[0].blocks:
-                    self.tracker.hit(group, tag, anchor_blocks)
+                for blocks, block_size in zip(result[0].blocks, group_block_sizes, strict=False):
+                    self.tracker.hit(blocks, tag, self._anchor_blocks(tag.agent, block_size))
             return result
 
         record_prefix_cache_stats = manager.record_prefix_cache_stats
@@ -218,6 +221,10 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         pool.cache_full_blocks = cache_full_blocks_observed  # type: ignore[method-assign]
         manager.get_computed_blocks = get_computed_blocks_observed  # type: ignore[method-assign]
         manager.record_prefix_cache_stats = record_prefix_cache_stats_observed  # type: ignore[method-assign]
+
+    def _anchor_blocks(self, agent: str, block_size: int) -> int:
+        """How many of a KV-cache group's blocks (of ``block_size`` tokens) ``agent``'s anchor fills."""
+        return self.anchors.length(agent) // max(1, block_size // self.block_size)
 
     def _uncached(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Blocks that lost their hash while not in use: the free ones are recycled first."""
