@@ -36,6 +36,10 @@ class _AgentKVMixin:
         config = RuntimeConfig.from_env()
         if not result.enabled:
             config = dataclasses.replace(config, enabled=False)
+        elif config.enabled and not self.kv_cache_manager.enable_caching:  # type: ignore[attr-defined]
+            # --no-enable-prefix-caching: no block is ever reused, so there is no order to choose
+            logger.warning("agentkv: prefix caching is off; eviction stays vLLM's own (nothing is reused)")
+            config = dataclasses.replace(config, enabled=False)
         self.agentkv = AgentKVRuntime(config)
         self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
         # read under the runtime's lock, which every scheduler entry point holds too

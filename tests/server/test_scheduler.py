@@ -18,6 +18,7 @@ import pytest
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -52,7 +53,7 @@ def make(tiny_model_dir: Path, control: str) -> Iterator:
     them vLLM's null block), shut down after the test."""
     made: list[Scheduler] = []
 
-    def build(cls: type[Scheduler], num_blocks: int) -> Scheduler:
+    def build(cls: type[Scheduler], num_blocks: int, *, prefix_caching: bool = True) -> Scheduler:
         config = VllmConfig(
             device_config=DeviceConfig(device="cpu"),  # vLLM infers no device where it finds no GPU
             model_config=ModelConfig(model=str(tiny_model_dir), dtype="bfloat16", seed=0,
@@ -60,7 +61,7 @@ def make(tiny_model_dir: Path, control: str) -> Iterator:
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=MAX_MODEL_LEN,
                                              max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
                                              async_scheduling=issubclass(cls, AsyncScheduler)),
-            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
         )
         config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
@@ -147,6 +148,18 @@ def test_the_scheduler_keeps_every_anchor_where_vllms_own_cycles_them_out(make, 
     assert stats["policy"] == "survival" and stats["sessions"]["ended"] == 6
     assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["retired"]
     assert busy_sessions(scheduler) == set()
+
+
+def test_without_prefix_caching_eviction_stays_vllms_own(make, control):
+    """``--no-enable-prefix-caching``: nothing is ever reused, so agentkv leaves the free queue to
+    vLLM (and says so in its stats) while it still learns the agents' transitions."""
+    scheduler = make(AgentKVScheduler, NUM_BLOCKS, prefix_caching=False)
+    assert type(scheduler.kv_cache_manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
+    hits = replay(scheduler, 1, control, 2)
+    assert sum(hit for _, hit in hits) == 0
+    stats = ask_blocking(control, {"op": "stats"})
+    assert stats["enabled"] is False and stats["policy"] == "lru"
+    assert set(stats["transitions"]["supervisor"]) == {"coder"}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
