@@ -16,6 +16,7 @@ import numpy as np
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.request import Request
 
 from agentkv.graph import (
@@ -102,6 +103,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self.queues: list[ScoredFreeBlockQueue[Hashable]] = []
         self.table: ReuseTable | None = None
         self.block_size = 0
+        self._residency_group = 0  # the KV-cache group anchor residency is read in
         self.queries: Counter[str] = Counter()
         self.hits: Counter[str] = Counter()
         self.tagged_requests = 0  # tagged or recognized
@@ -142,7 +144,12 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
 
         # A hybrid model's KV-cache group may have blocks a multiple of the hash block (which
         # anchors are measured in): an anchor of n hash blocks fills n // k of that group's blocks.
-        group_block_sizes = [group.kv_cache_spec.block_size for group in manager.kv_cache_config.kv_cache_groups]
+        specs = [group.kv_cache_spec for group in manager.kv_cache_config.kv_cache_groups]
+        group_block_sizes = [spec.block_size for spec in specs]
+        # An anchor is resident when its leading blocks are cached in a full-attention group (a
+        # sliding window's group caches only the tail of a prefix, a Mamba group one state).
+        self._residency_group = next((i for i, spec in enumerate(specs) if isinstance(spec, FullAttentionSpec)
+                                      and spec.block_size == self.block_size), 0)
         cache_full_blocks = pool.cache_full_blocks
 
         @functools.wraps(cache_full_blocks)
@@ -416,7 +423,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             return 0, len(hashes)
         resident = 0
         for block_hash in hashes:
-            if pool.get_cached_block(block_hash, [0]) is None:  # type: ignore[arg-type]
+            if pool.get_cached_block(block_hash, [self._residency_group]) is None:  # type: ignore[arg-type]
                 break
             resident += 1
         return resident, len(hashes)

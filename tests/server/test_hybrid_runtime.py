@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -30,12 +31,13 @@ ANCHOR_BLOCKS = 8  # hash blocks
 _ids = itertools.count()
 
 
-def hybrid_manager(num_blocks: int, second: KVCacheSpec) -> KVCacheManager:
-    """Full attention in 16-token blocks beside ``second``, one pool (block 0 is the null block)."""
+def hybrid_manager(num_blocks: int, other: KVCacheSpec, *, other_first: bool = False) -> KVCacheManager:
+    """Full attention in 16-token blocks beside ``other``, one pool (block 0 is the null block)."""
     full = FullAttentionSpec(block_size=HASH_BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["full"], full), KVCacheGroupSpec(["other"], second)])
-    return KVCacheManager(config, max_model_len=8192, scheduler_block_size=second.block_size,
+    groups = [KVCacheGroupSpec(["full"], full), KVCacheGroupSpec(["other"], other)]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups[::-1] if other_first
+                           else groups)
+    return KVCacheManager(config, max_model_len=8192, scheduler_block_size=other.block_size,
                           hash_block_size=HASH_BLOCK)
 
 
@@ -75,12 +77,13 @@ def test_a_group_of_bigger_blocks_holds_the_anchor_in_fewer_of_them():
     assert kinds == [[Anchor] * 8 + [History] * 8, [Anchor] * 4 + [History] * 4]
 
 
-def test_a_sliding_window_group_keeps_every_anchor_under_pressure():
+@pytest.mark.parametrize("window_first", [False, True])
+def test_a_sliding_window_group_keeps_every_anchor_under_pressure(window_first):
     """Full attention beside a 32-token sliding window: the anchors of six agents called in turn by
     four sessions stay whole while the sessions' histories cycle through the pool."""
     window = SlidingWindowSpec(block_size=HASH_BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
                                sliding_window=2 * HASH_BLOCK)
-    kv = hybrid_manager(120, window)
+    kv = hybrid_manager(120, window, other_first=window_first)
     runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))
     runtime.install(kv)
     hits = []
@@ -91,3 +94,5 @@ def test_a_sliding_window_group_keeps_every_anchor_under_pressure():
     assert hits[12:] == [ANCHOR_BLOCKS * HASH_BLOCK] * 18
     stats = runtime.stats()
     assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["history"]
+    # the warm-ups' residency check reads full attention's blocks: the window caches the tail only
+    assert [runtime.anchor_residency(agent) for agent in "abcdef"] == [(ANCHOR_BLOCKS, ANCHOR_BLOCKS)] * 6
