@@ -58,7 +58,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 RECOGNIZED_PATH = "/agentkv/v1/recognized"  # recent recognitions: [request id, agent, session]
-_TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# vLLM passes each one's vllm_xargs to the engine (Anthropic's messages are served as chat completions)
+_TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 _AGENTKV_PREFIX = "/agentkv/"
 _XARG_PREFIX = "agentkv_"
 _MAX_BODY = {"events": 1 << 20, "merge": 4 << 20}  # a 256-agent counts document is ~1.5 MB

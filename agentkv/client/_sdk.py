@@ -51,12 +51,15 @@ def on_response(fn: Callable[[TaggedResponse], Any]) -> Callable[[], None]:
 
 
 def usage_of(body: Any) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, cached_tokens)`` from an OpenAI-style response body (None when absent)."""
+    """``(prompt_tokens, cached_tokens)`` from an OpenAI-style response body, a chat completion's
+    or a completion's (``prompt_tokens``) or a Responses API response's (``input_tokens``); None
+    when absent."""
     usage = body.get("usage") if isinstance(body, Mapping) else None
     if not isinstance(usage, Mapping):
         return None, None
-    prompt = usage.get("prompt_tokens")
-    details = usage.get("prompt_tokens_details")
+    kind = "prompt" if "prompt_tokens" in usage else "input"
+    prompt = usage.get(f"{kind}_tokens")
+    details = usage.get(f"{kind}_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
     return (
         prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None,

@@ -64,9 +64,10 @@ async def test_untagged_requests_pass_through_byte_for_byte():
     assert echoed["body"].encode() == raw
 
 
-async def test_headers_become_vllm_xargs():
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
+async def test_headers_become_vllm_xargs(path):
     async with client(AgentKVMiddleware(echo_app)) as c:
-        echoed = (await c.post("/v1/chat/completions", json={**BODY, "vllm_xargs": {"other": 1}}, headers=TAG)).json()
+        echoed = (await c.post(path, json={**BODY, "vllm_xargs": {"other": 1}}, headers=TAG)).json()
     body = json.loads(echoed["body"])
     assert body["vllm_xargs"] == {"other": 1, "agentkv_agent": "coder", "agentkv_session": "t1",
                                   "agentkv_parent": "", "agentkv_step": 0}
@@ -187,20 +188,36 @@ async def _told(runtime: AgentKVRuntime, session: str) -> bool | None:
     return None
 
 
-@pytest.mark.parametrize(("chunks", "status", "body", "told"), [
-    (TOOL_EVENTS, 200, {}, True),  # streamed, the finish reason split across two chunks
-    ([b'{"choices": [{"finish_reason": "tool_calls"}]}'], 200, TOOLS, True),
-    ([b'{"choices":[{"finish_reason":"stop"}]}'], 200, TOOLS, False),  # offered tools, called none
-    ([b'{"choices":[{"finish_reason":"stop"}]}'], 200, {}, None),  # no tools offered: nothing to tell
-    ([b'{"error":{"message":"finish_reason tool_calls"}}'], 400, TOOLS, None),
+# what vLLM 0.32 sends: a response's function call item, an Anthropic message's tool_use block
+RESPONSES_CALL = [b'{"id":"resp_1","object":"response","output":[{"arguments":"{}","call_id":"call_1",'
+                  b'"name":"search","type":"function_call","id":"fc_1"}],"tools":[{"name":"search","type":"function"}]}']
+RESPONSES_TEXT = [b'{"id":"resp_2","output":[{"content":[{"text":"\\"type\\":\\"function_call\\"",'
+                  b'"type":"output_text"}],"type":"message"}],"tools":[{"name":"search","type":"function"}]}']
+MESSAGES_EVENTS = [b'event: message_start\ndata: {"type":"message_start","message":{"id":"chatcmpl-3"}}\n\n',
+                   b'event: content_block_start\ndata: {"type":"content_block_start","content_block":{"type":"tool_',
+                   b'use","id":"call_2","name":"search","input":{}},"index":0}\n\n']
+MESSAGES_TEXT = [b'{"id":"chatcmpl-4","type":"message","content":[{"type":"text","text":"tool_use"}],'
+                 b'"stop_reason":"end_turn"}']
+
+
+@pytest.mark.parametrize(("path", "chunks", "status", "body", "told"), [
+    ("/v1/chat/completions", TOOL_EVENTS, 200, {}, True),  # streamed, the finish reason split across two chunks
+    ("/v1/chat/completions", [b'{"choices": [{"finish_reason": "tool_calls"}]}'], 200, TOOLS, True),
+    ("/v1/chat/completions", [b'{"choices":[{"finish_reason":"stop"}]}'], 200, TOOLS, False),  # offered, none called
+    ("/v1/chat/completions", [b'{"choices":[{"finish_reason":"stop"}]}'], 200, {}, None),  # none offered: nothing
+    ("/v1/chat/completions", [b'{"error":{"message":"finish_reason tool_calls"}}'], 400, TOOLS, None),
+    ("/v1/responses", RESPONSES_CALL, 200, TOOLS, True),
+    ("/v1/responses", RESPONSES_TEXT, 200, TOOLS, False),  # the words in the text are not a call
+    ("/v1/messages", MESSAGES_EVENTS, 200, TOOLS, True),  # streamed, the block type split across two chunks
+    ("/v1/messages", MESSAGES_TEXT, 200, TOOLS, False),
+    ("/v1/responses", [b'{"choices":[{"finish_reason":"tool_calls"}]}'], 200, TOOLS, False),  # another API's words
 ])
-async def test_the_engine_learns_whether_an_answer_called_a_tool(runtime_endpoint, chunks, status, body, told):
+async def test_the_engine_learns_whether_an_answer_called_a_tool(runtime_endpoint, path, chunks, status, body, told):
     middleware = AgentKVMiddleware(answering_app(chunks, status))
-    session = f"t{len(chunks)}{status}{told}"
+    session = f"t{path[4:8]}{len(chunks)}{status}{told}"
     runtime_endpoint.timing.observe(session, "coder", 0.0, 0)
     async with client(middleware) as c:
-        response = await c.post("/v1/chat/completions", json={**BODY, **body},
-                                headers={**TAG, "X-AgentKV-Session": session})
+        response = await c.post(path, json={**BODY, **body}, headers={**TAG, "X-AgentKV-Session": session})
     assert response.content == b"".join(chunks)  # the user's answer is untouched
     assert await _told(runtime_endpoint, session) is told
     assert middleware.answer_failures == 0
@@ -234,6 +251,10 @@ def test_the_answered_op_refuses_malformed_input(request_):
     ("/v1/chat/completions", [b'data: {"id":"chatcmpl-9a","choices":[{"delta":{"tool_calls":[{"id":"call-1"',
                               b'}]}}]}\n\n', b"data: [DONE]\n\n"], "chatcmpl-9a"),
     ("/v1/completions", [b'{"id":"cmpl-77","choices":[{"finish_reason":"tool_calls"}]}'], "cmpl-77-0"),
+    ("/v1/responses", [b'event: response.created\ndata: {"response":{"id":"resp_5","output":[]}}\n\n',
+                       b'event: response.output_item.added\ndata: {"item":{"type":"function_call","id":"fc_5"}}\n\n'],
+     "resp_5_0"),
+    ("/v1/messages", MESSAGES_EVENTS, "chatcmpl-3"),
 ])
 @pytest.mark.parametrize("headers", [{}, {"X-AgentKV-Agent": "coder"}], ids=["untagged", "agent-only"])
 async def test_an_answer_without_a_session_is_told_by_its_response_id(runtime_endpoint, path, chunks, key, headers):
