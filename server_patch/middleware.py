@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -62,6 +63,8 @@ RECOGNIZED_PATH = "/agentkv/v1/recognized"  # recent recognitions: [request id, 
 _TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 _AGENTKV_PREFIX = "/agentkv/"
 _XARG_PREFIX = "agentkv_"
+# a Responses API request run in the background is answered "queued" at once: its silence tells nothing
+_BACKGROUND = re.compile(rb'"background"\s*:\s*true')
 _MAX_BODY = {"events": 1 << 20, "merge": 4 << 20}  # a 256-agent counts document is ~1.5 MB
 _MAX_AGENTKV_DEPTH = 16  # agentkv's own documents nest at most 4 deep
 _MAX_REQUEST_DEPTH = 128  # completion bodies re-encoded here (JSON schemas nest, but not this deep)
@@ -130,7 +133,8 @@ class AgentKVMiddleware:
         body = await _read_body(receive)
         if not has_agentkv_headers and _XARG_PREFIX.encode() not in body:
             if self.recognize:  # the engine may recognize its session: tell it how this one was answered
-                send = self._watching(send, AnswerWatch(None, b'"tools"' in body, path=scope["path"]))
+                offered = b'"tools"' in body and _BACKGROUND.search(body) is None
+                send = self._watching(send, AnswerWatch(None, offered, path=scope["path"]))
             await self.app(scope, _replay(body, receive), send)  # nothing of agentkv's: byte for byte
             return
         try:
@@ -168,9 +172,9 @@ class AgentKVMiddleware:
         tag = body_result.tag if body_result.tag is not None else header_result.tag
         if tag is not None and not body_result.errors and (tag.session or (self.recognize and not tag.warmup)):
             tools = document.get("tools")
+            offered = isinstance(tools, list) and bool(tools) and document.get("background") is not True
             # without a session the engine may recognize one: told, as an untagged answer, by response id
-            send = self._watching(send, AnswerWatch(tag.session or None, isinstance(tools, list) and bool(tools),
-                                                    path=scope["path"]))
+            send = self._watching(send, AnswerWatch(tag.session or None, offered, path=scope["path"]))
         await self.app(scope, _replay(body, receive), send)
 
     def _watching(self, send: Send, watch: AnswerWatch) -> Send:

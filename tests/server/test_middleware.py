@@ -211,6 +211,8 @@ MESSAGES_TEXT = [b'{"id":"chatcmpl-4","type":"message","content":[{"type":"text"
     ("/v1/messages", MESSAGES_EVENTS, 200, TOOLS, True),  # streamed, the block type split across two chunks
     ("/v1/messages", MESSAGES_TEXT, 200, TOOLS, False),
     ("/v1/responses", [b'{"choices":[{"finish_reason":"tool_calls"}]}'], 200, TOOLS, False),  # another API's words
+    # run in the background: answered "queued" before the model ran, so no call yet says nothing
+    ("/v1/responses", [b'{"id":"resp_3","status":"queued","output":[]}'], 200, {**TOOLS, "background": True}, None),
 ])
 async def test_the_engine_learns_whether_an_answer_called_a_tool(runtime_endpoint, path, chunks, status, body, told):
     middleware = AgentKVMiddleware(answering_app(chunks, status))
@@ -268,6 +270,18 @@ async def test_an_answer_without_a_session_is_told_by_its_response_id(runtime_en
     assert response.content == b"".join(chunks)
     assert await _told(runtime_endpoint, session) is True
     assert middleware.answer_failures == 0
+
+
+@pytest.mark.parametrize(("background", "told"), [(b"true", None), (b"false", False)])
+async def test_an_untagged_response_run_in_the_background_tells_nothing(runtime_endpoint, background, told):
+    middleware = AgentKVMiddleware(answering_app([b'{"id":"resp_4","status":"queued","output":[]}']))
+    session = f"recognized-background-{background.decode()}"
+    runtime_endpoint.timing.observe(session, "fp:abc", 0.0, 0)
+    runtime_endpoint._answer_sessions["resp_4_0"] = session
+    body = b'{"model":"m","input":"hi","tools":[{"type":"function","name":"f"}],"background": ' + background + b"}"
+    async with client(middleware) as c:
+        await c.post("/v1/responses", content=body)
+    assert await _told(runtime_endpoint, session) is told
 
 
 async def test_untagged_answers_are_not_watched_without_recognition(runtime_endpoint, monkeypatch):
