@@ -23,6 +23,7 @@ from agentkv._bounded import BoundedDict
 from agentkv.client import ErrorCounter, TaggedRequest, install, on_request
 
 from ._lint import Divergence, common_prefix, diff_structures
+from ._responses import chat_form
 from ._snapshot import Structure, snapshot
 from ._urls import same_server
 
@@ -162,15 +163,19 @@ class AnchorBook:
                 self.counts["other_server"] += 1
                 return
             url = request.url.rstrip("/")
-            if not (url.endswith("/completions") or url in ("completions", "chat/completions")):
+            body = request.json_data
+            if url.endswith("/responses") or url == "responses":
+                body = chat_form(body)  # rendered as a chat request; None counts as ignored below
+            elif not (url.endswith("/completions") or url in ("completions", "chat/completions")):
                 self.counts["ignored"] += 1
                 return
-            self.capture(request.tag.agent, request.tag.session, request.json_data)
+            self.capture(request.tag.agent, request.tag.session, body)
         except Exception as exc:
             self.errors.record("anchor capture", exc)
 
     def capture(self, agent: str, session: str | None, body: Any, *, now: float | None = None) -> bool:
-        """Record one real call of ``agent`` (a chat or completions request body); False if unusable.
+        """Record one real call of ``agent`` (a chat or completions request body, or a Responses API
+        request in its chat form); False if unusable.
 
         ``body`` is only read: it is serialized here, so later changes to it do not matter.
         """
