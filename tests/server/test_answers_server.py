@@ -82,13 +82,16 @@ def _request(path: str, system: str, question: str, *, call: bool, stream: bool 
 ])
 def test_tags_and_answers_of_the_responses_and_messages_apis(tool_server, path, call, stream):
     """The OpenAI SDK's ``responses.create`` (the OpenAI Agents SDK's default) and Anthropic clients:
-    the same headers tag the request, and how it was answered reaches the engine."""
+    the same headers tag the request (here a client of its own sends those of ``agentkv.agent``'s
+    tag), and how it was answered reaches the engine."""
     session = f"s{path[4:8]}{call}{stream}"
     with httpx.Client(base_url=tool_server.base_url, timeout=120, trust_env=False) as client:
         time.sleep(STATS_MAX_AGE)
         before = client.get(STATS_PATH).json()
-        client.post(path, json=_request(path, "be brief", "look it up", call=call, stream=stream),
-                    headers={"X-AgentKV-Agent": "coder", "X-AgentKV-Session": session}).raise_for_status()
+        with agentkv.agent("coder", session=session) as tag:
+            assert tag is not None
+            client.post(path, json=_request(path, "be brief", "look it up", call=call, stream=stream),
+                        headers=tag.to_headers()).raise_for_status()
         wait_for(lambda: _answers(client) != before["answers"], "the answer to be told to the engine")
         after = client.get(STATS_PATH).json()
     assert after["tagged_requests"] - before["tagged_requests"] == 1
