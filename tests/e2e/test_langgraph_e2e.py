@@ -39,8 +39,11 @@ def run_tests(path: str) -> str:
     return "ok"
 
 
-def build(base_url: str, run: str, seen: dict[str, list[int]], checkpointer: Any = None) -> Any:
-    llm = ChatOpenAI(base_url=base_url + "/v1", api_key="x", model="tiny", max_tokens=1, temperature=0)
+def build(base_url: str, run: str, seen: dict[str, list[int]], checkpointer: Any = None,
+          responses: bool = False) -> Any:
+    """``responses``: the models call the Responses API (``use_responses_api``) instead of chat completions."""
+    llm = ChatOpenAI(base_url=base_url + "/v1", api_key="x", model="tiny", max_tokens=1, temperature=0,
+                     use_responses_api=responses)
     # The server has no tool-call parser: tool_choice="none" still renders the tools into the prompt.
     coder_llm = llm.bind_tools([run_tests], tool_choice="none")
 
@@ -48,7 +51,9 @@ def build(base_url: str, run: str, seen: dict[str, list[int]], checkpointer: Any
         def run_node(state: State) -> dict[str, Any]:
             reply = model.invoke([SystemMessage(instructions(role, run)),
                                   HumanMessage(f"{state['task']} (round {state['rounds']})")])
-            seen.setdefault(role, []).append(cached_tokens(reply))
+            hit = (reply.usage_metadata or {}).get("input_token_details", {}).get("cache_read", 0) \
+                if responses else cached_tokens(reply)
+            seen.setdefault(role, []).append(hit)
             return {"rounds": state["rounds"] + (role == "reviewer")}
 
         return run_node
@@ -122,3 +127,26 @@ def test_a_checkpointed_thread_stays_live_until_the_app_ends_it(own_agentkv_serv
     assert thread in fetch_stats(base)["sessions"]["current"]  # live: not ended with the run
     app.end_session(thread)
     wait_for(lambda: thread not in fetch_stats(base)["sessions"]["current"], "the chat's end")
+
+
+def test_a_langgraph_app_on_the_responses_api_is_learned(agentkv_server) -> None:
+    """The same app with ``ChatOpenAI(use_responses_api=True)``: tagged through the SDK's
+    ``responses.create``, learned by the server as with chat completions. On the shared server (the
+    module's own keeps only the agents its hit assertions were sized for): deltas and each agent's
+    most likely successor."""
+    base = agentkv_server.base_url
+    run = uuid.uuid4().hex[:8]
+    seen: dict[str, list[int]] = {}
+    app, names = build(base, run, seen, responses=True)
+    before = fetch_stats(base)
+    for s in range(2):
+        app.invoke({"task": f"feature {s}", "rounds": 0}, {"configurable": {"thread_id": f"lr-{run}-{s}"}})
+    wait_for(lambda: fetch_stats(base)["sessions"]["ended"] >= before["sessions"]["ended"] + 2, "2 session ends")
+    after = fetch_stats(base)
+    planner, coder, reviewer = names["planner"], names["coder"], names["reviewer"]
+    assert after["tagged_requests"] - before["tagged_requests"] == 2 * 5
+    assert after["dispatches"] - before["dispatches"] == 2 * 5
+    for agent, successor in ((planner, coder), (coder, reviewer), (reviewer, coder)):
+        row = after["transitions"][agent]
+        assert max(row, key=row.get) == successor, agent
+    assert max(seen["coder"]) >= BLOCK  # the usage of a response is read as a chat completion's
