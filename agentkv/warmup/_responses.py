@@ -55,9 +55,8 @@ def chat_form(body: Any) -> dict[str, Any] | None:
     kwargs = dict(body["chat_template_kwargs"]) if isinstance(body.get("chat_template_kwargs"), Mapping) else {}
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
-    if effort is not None:
-        kwargs = {"reasoning_effort": effort, **({} if "enable_thinking" in kwargs else
-                                                 {"enable_thinking": effort != "none"}), **kwargs}
+    if effort is not None:  # vLLM merges these over the request's own kwargs (enable_thinking unless given)
+        kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
     if kwargs:
         chat["chat_template_kwargs"] = kwargs
     if not whole:

@@ -66,7 +66,8 @@ def test_an_assistant_message_after_an_assistant_message_is_a_cut():
 def test_reasoning_effort_reaches_the_template():
     assert chat_form(responses(reasoning={"effort": "low"}))["chat_template_kwargs"] == {
         "reasoning_effort": "low", "enable_thinking": True}
-    assert chat_form(responses(reasoning={"effort": "none"}, chat_template_kwargs={"enable_thinking": True}))[
+    assert chat_form(responses(reasoning={"effort": "none"},
+                               chat_template_kwargs={"enable_thinking": True, "reasoning_effort": "high"}))[
         "chat_template_kwargs"] == {"reasoning_effort": "none", "enable_thinking": True}
 
 
