@@ -1,7 +1,9 @@
-"""The one openai SDK patch: tag every request with the current tag, report every tagged response.
+"""The one SDK patch: tag every request with the current tag, report every tagged response.
 
-:func:`install` wraps two hooks of ``openai._base_client.SyncAPIClient`` and ``AsyncAPIClient``
-(subclasses such as ``OpenAI`` and ``AzureOpenAI`` reach them through ``super()``):
+:func:`install` wraps two hooks of ``SyncAPIClient`` and ``AsyncAPIClient`` in ``openai._base_client``
+and, once the application has imported it, in ``anthropic._base_client`` (both SDKs are generated
+by Stainless and share these hooks; subclasses such as ``OpenAI``, ``AzureOpenAI`` and
+``Anthropic`` reach them through ``super()``):
 
 * ``_prepare_options`` (called once per attempt, for ``create``, streaming and raw responses): the
   original runs first, unchanged, then the current tag's headers are added to the prepared options
@@ -17,6 +19,8 @@ Invariant: nothing here raises into the caller; failures are counted in ``ERRORS
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -51,20 +55,25 @@ def on_response(fn: Callable[[TaggedResponse], Any]) -> Callable[[], None]:
 
 
 def usage_of(body: Any) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, cached_tokens)`` from an OpenAI-style response body, a chat completion's
-    or a completion's (``prompt_tokens``) or a Responses API response's (``input_tokens``); None
-    when absent."""
+    """``(prompt_tokens, cached_tokens)`` from a response body: a chat completion's or a
+    completion's (``prompt_tokens``), a Responses API response's (``input_tokens`` and its
+    details) or a Messages API response's (``input_tokens`` counts only the tokens neither read
+    from nor written to the cache); None when absent."""
     usage = body.get("usage") if isinstance(body, Mapping) else None
     if not isinstance(usage, Mapping):
         return None, None
-    kind = "prompt" if "prompt_tokens" in usage else "input"
-    prompt = usage.get(f"{kind}_tokens")
-    details = usage.get(f"{kind}_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return (
-        prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None,
-        cached if isinstance(cached, int) and not isinstance(cached, bool) else None,
-    )
+    if "prompt_tokens" in usage or "input_tokens_details" in usage:
+        kind = "prompt" if "prompt_tokens" in usage else "input"
+        details = usage.get(f"{kind}_tokens_details")
+        prompt = _count(usage.get(f"{kind}_tokens"))
+        return prompt, _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+    uncached, read = _count(usage.get("input_tokens")), _count(usage.get("cache_read_input_tokens"))
+    written = _count(usage.get("cache_creation_input_tokens")) or 0
+    return (None if uncached is None else uncached + (read or 0) + written), read
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -181,35 +190,46 @@ def _wrap_process_async(original: Callable[..., Any]) -> Callable[..., Any]:
 # -- installation --------------------------------------------------------------------------
 
 _TARGETS: Final = (
-    ("SyncAPIClient", "_prepare_options", _wrap_prepare_sync, "openai patch"),
-    ("AsyncAPIClient", "_prepare_options", _wrap_prepare_async, "openai patch"),
-    ("SyncAPIClient", "_process_response", _wrap_process_sync, "openai response patch"),
-    ("AsyncAPIClient", "_process_response", _wrap_process_async, "openai response patch"),
+    ("SyncAPIClient", "_prepare_options", _wrap_prepare_sync, "patch"),
+    ("AsyncAPIClient", "_prepare_options", _wrap_prepare_async, "patch"),
+    ("SyncAPIClient", "_process_response", _wrap_process_sync, "response patch"),
+    ("AsyncAPIClient", "_process_response", _wrap_process_async, "response patch"),
 )
+_SDKS: Final = ("openai", "anthropic")  # openai is required for tagging; anthropic is patched once imported
+_untried = list(_SDKS)  # the SDKs not patched (nor found broken) yet
 
 
 def install() -> bool:
-    """Patch the openai SDK once (idempotent, thread-safe); True when requests can be tagged."""
-    with _install_lock:
-        if _originals:
-            return True
-        try:
-            from openai import _base_client
-        except Exception as exc:  # openai missing or broken: tagging is simply off
-            ERRORS.record("openai import", exc)
-            return False
-        for class_name, method, wrap, kind in _TARGETS:
-            cls = getattr(_base_client, class_name, None)
-            original = None if cls is None else cls.__dict__.get(method)
-            if cls is None or original is None:
-                ERRORS.record(kind, message=f"{class_name}.{method} not found")
-                continue
-            if getattr(original, _PATCH_MARK, None) is not None:  # patched by another copy of this module
-                _originals[cls, method] = getattr(original, _PATCH_MARK)
-                continue
-            _originals[cls, method] = original
-            setattr(cls, method, wrap(original))
+    """Patch the openai SDK, and the anthropic SDK once the application has imported it, each once
+    (idempotent, thread-safe: call it again after importing anthropic); True when requests can be
+    tagged. The tag scopes and the framework adapters call it at every dispatch, where it costs a
+    dictionary read; an SDK nobody imported is never imported here (anthropic's import takes ~1 s)."""
+    if not any(sdk in sys.modules or sdk == _SDKS[0] for sdk in _untried):
         return bool(_originals)
+    with _install_lock:
+        for sdk in [sdk for sdk in _untried if sdk in sys.modules or sdk == _SDKS[0]]:
+            _untried.remove(sdk)
+            _patch(sdk)
+        return bool(_originals)
+
+
+def _patch(sdk: str) -> None:
+    try:
+        base_client = importlib.import_module(f"{sdk}._base_client")
+    except Exception as exc:  # missing or broken: tagging its requests is simply off
+        ERRORS.record(f"{sdk} import", exc)
+        return
+    for class_name, method, wrap, kind in _TARGETS:
+        cls = getattr(base_client, class_name, None)
+        original = None if cls is None else cls.__dict__.get(method)
+        if cls is None or original is None:
+            ERRORS.record(f"{sdk} {kind}", message=f"{sdk} {class_name}.{method} not found")
+            continue
+        if getattr(original, _PATCH_MARK, None) is not None:  # patched by another copy of this module
+            _originals[cls, method] = getattr(original, _PATCH_MARK)
+            continue
+        _originals[cls, method] = original
+        setattr(cls, method, wrap(original))
 
 
 def installed() -> bool:
@@ -217,8 +237,9 @@ def installed() -> bool:
 
 
 def uninstall() -> None:
-    """Restore the openai SDK's original hooks (mostly for tests)."""
+    """Restore the SDKs' original hooks (mostly for tests)."""
     with _install_lock:
         for (cls, method), original in _originals.items():
             setattr(cls, method, original)
         _originals.clear()
+        _untried[:] = _SDKS

@@ -18,7 +18,7 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langgraph.types import Command, Send
 
 from agentkv._bounded import BoundedDict
-from agentkv.client import ERRORS, Dispatch, count, dispatch_ended, sanitize_id, set_tag, tracker
+from agentkv.client import ERRORS, Dispatch, count, dispatch_ended, install, sanitize_id, set_tag, tracker
 from agentkv.protocol import AgentTag
 
 from ._langgraph_facts import EXPLICIT_KEY, Naming, Topology
@@ -174,6 +174,7 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
                 run.sets_tag = True
 
     def _start_root(self, run_id: Any, metadata: Mapping[str, Any], segments: list[str], inputs: Any) -> None:
+        install()  # an SDK the app imported since it was instrumented (e.g. anthropic) is tagged too
         session, persistent = self._session_for(metadata, run_id)
         resume = isinstance(inputs, Command) or inputs is None
         initial = tracker().parent_for(session) if resume else ""

@@ -302,6 +302,7 @@ def _wrap_turns(agent: Any, state: TeamInstrumentation) -> None:
         tag: AgentTag | None = None
         dispatch: Dispatch | None = None
         try:
+            install()  # an SDK imported since the team was wrapped (e.g. anthropic) is tagged too
             tag, dispatch = state.begin_turn(name)
         except Exception as exc:
             ERRORS.record("autogen turn", exc)

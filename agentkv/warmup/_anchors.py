@@ -23,7 +23,8 @@ from agentkv._bounded import BoundedDict
 from agentkv.client import ErrorCounter, TaggedRequest, install, on_request
 
 from ._lint import Divergence, common_prefix, diff_structures
-from ._responses import chat_form
+from ._messages import chat_form as messages_chat_form
+from ._responses import chat_form as responses_chat_form
 from ._snapshot import Structure, snapshot
 from ._urls import same_server
 
@@ -165,7 +166,9 @@ class AnchorBook:
             url = request.url.rstrip("/")
             body = request.json_data
             if url.endswith("/responses") or url == "responses":
-                body = chat_form(body)  # rendered as a chat request; None counts as ignored below
+                body = responses_chat_form(body)  # rendered as a chat request; None counts as ignored below
+            elif url.endswith("/messages") or url == "messages":
+                body = messages_chat_form(body)
             elif not (url.endswith("/completions") or url in ("completions", "chat/completions")):
                 self.counts["ignored"] += 1
                 return
@@ -174,8 +177,8 @@ class AnchorBook:
             self.errors.record("anchor capture", exc)
 
     def capture(self, agent: str, session: str | None, body: Any, *, now: float | None = None) -> bool:
-        """Record one real call of ``agent`` (a chat or completions request body, or a Responses API
-        request in its chat form); False if unusable.
+        """Record one real call of ``agent`` (a chat or completions request body, or a Responses or
+        Messages API request in its chat form); False if unusable.
 
         ``body`` is only read: it is serialized here, so later changes to it do not matter.
         """

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("langgraph")
 
+from langchain_anthropic import ChatAnthropic
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -40,19 +41,25 @@ def run_tests(path: str) -> str:
 
 
 def build(base_url: str, run: str, seen: dict[str, list[int]], checkpointer: Any = None,
-          responses: bool = False) -> Any:
-    """``responses``: the models call the Responses API (``use_responses_api``) instead of chat completions."""
-    llm = ChatOpenAI(base_url=base_url + "/v1", api_key="x", model="tiny", max_tokens=1, temperature=0,
-                     use_responses_api=responses)
-    # The server has no tool-call parser: tool_choice="none" still renders the tools into the prompt.
-    coder_llm = llm.bind_tools([run_tests], tool_choice="none")
+          api: str = "chat") -> Any:
+    """``api``: the models call chat completions (``"chat"``), the Responses API (``"responses"``:
+    ``use_responses_api``) or Anthropic's Messages API (``"messages"``: ``ChatAnthropic``)."""
+    llm: Any
+    if api == "messages":
+        llm = ChatAnthropic(base_url=base_url, api_key="x", model="tiny", max_tokens=1, temperature=0)
+        # The server has no tool-call parser: the tools are rendered into the prompt, none is called.
+        coder_llm = llm.bind_tools([run_tests], tool_choice={"type": "none"})
+    else:
+        llm = ChatOpenAI(base_url=base_url + "/v1", api_key="x", model="tiny", max_tokens=1, temperature=0,
+                         use_responses_api=api == "responses")
+        coder_llm = llm.bind_tools([run_tests], tool_choice="none")
 
     def node(role: str, model: Any) -> Any:
         def run_node(state: State) -> dict[str, Any]:
             reply = model.invoke([SystemMessage(instructions(role, run)),
                                   HumanMessage(f"{state['task']} (round {state['rounds']})")])
             hit = (reply.usage_metadata or {}).get("input_token_details", {}).get("cache_read", 0) \
-                if responses else cached_tokens(reply)
+                if api != "chat" else cached_tokens(reply)
             seen.setdefault(role, []).append(hit)
             return {"rounds": state["rounds"] + (role == "reviewer")}
 
@@ -137,7 +144,7 @@ def test_a_langgraph_app_on_the_responses_api_is_learned(agentkv_server) -> None
     base = agentkv_server.base_url
     run = uuid.uuid4().hex[:8]
     seen: dict[str, list[int]] = {}
-    app, names = build(base, run, seen, responses=True)
+    app, names = build(base, run, seen, api="responses")
     before = fetch_stats(base)
     for s in range(2):
         app.invoke({"task": f"feature {s}", "rounds": 0}, {"configurable": {"thread_id": f"lr-{run}-{s}"}})
@@ -150,3 +157,25 @@ def test_a_langgraph_app_on_the_responses_api_is_learned(agentkv_server) -> None
         row = after["transitions"][agent]
         assert max(row, key=row.get) == successor, agent
     assert max(seen["coder"]) >= BLOCK  # the usage of a response is read as a chat completion's
+
+
+def test_a_langgraph_app_on_chat_anthropic_is_learned(agentkv_server) -> None:
+    """The same app on ``ChatAnthropic`` against vLLM's ``/v1/messages``: the anthropic SDK is
+    tagged like the openai SDK (no headers passed by the app), the server learns the agents'
+    hand-offs, and the Messages API's usage (cache reads apart from ``input_tokens``) is read."""
+    base = agentkv_server.base_url
+    run = uuid.uuid4().hex[:8]
+    seen: dict[str, list[int]] = {}
+    app, names = build(base, run, seen, api="messages")
+    before = fetch_stats(base)
+    for s in range(2):
+        app.invoke({"task": f"feature {s}", "rounds": 0}, {"configurable": {"thread_id": f"la-{run}-{s}"}})
+    wait_for(lambda: fetch_stats(base)["sessions"]["ended"] >= before["sessions"]["ended"] + 2, "2 session ends")
+    after = fetch_stats(base)
+    planner, coder, reviewer = names["planner"], names["coder"], names["reviewer"]
+    assert after["tagged_requests"] - before["tagged_requests"] == 2 * 5
+    assert after["dispatches"] - before["dispatches"] == 2 * 5
+    for agent, successor in ((planner, coder), (coder, reviewer), (reviewer, coder)):
+        row = after["transitions"][agent]
+        assert max(row, key=row.get) == successor, agent
+    assert max(seen["coder"]) >= BLOCK  # the coder's instructions and tools, read from the cache
