@@ -202,8 +202,8 @@ _untried = list(_SDKS)  # the SDKs not patched (nor found broken) yet
 def install() -> bool:
     """Patch the openai SDK, and the anthropic SDK once the application has imported it, each once
     (idempotent, thread-safe: call it again after importing anthropic); True when requests can be
-    tagged. The tag scopes and the framework adapters call it at every dispatch, where it costs a
-    dictionary read; an SDK nobody imported is never imported here (anthropic's import takes ~1 s)."""
+    tagged. Every tag scope, LangGraph run and AutoGen turn calls it, where it costs a dictionary
+    read; an SDK nobody imported is never imported here (anthropic's import takes ~1 s)."""
     if not any(sdk in sys.modules or sdk == _SDKS[0] for sdk in _untried):
         return bool(_originals)
     with _install_lock:
