@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._responses import with_render_options
+
 __all__ = ["chat_form"]
 
 _BILLING_HEADER = "x-anthropic-billing-header"  # per-request text vLLM drops to keep the prefix cacheable
@@ -62,17 +64,7 @@ def chat_form(body: Any) -> dict[str, Any] | None:
     choice = _tool_choice(body.get("tool_choice"), has_tools=tools is not None)
     if choice is not None:
         chat["tool_choice"] = choice
-    kwargs = dict(body["chat_template_kwargs"]) if isinstance(body.get("chat_template_kwargs"), Mapping) else {}
-    effort = _effort(body)
-    if effort is not None:  # vLLM merges these over the request's own kwargs (enable_thinking unless given)
-        kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
-    if kwargs:
-        chat["chat_template_kwargs"] = kwargs
-    if not whole:
-        chat["add_generation_prompt"] = False
-    if body.get("cache_salt") is not None:
-        chat["cache_salt"] = body["cache_salt"]
-    return chat
+    return with_render_options(chat, body, effort=_effort(body), whole=whole)
 
 
 def _system_text(system: Any) -> str | None:

@@ -52,9 +52,16 @@ def chat_form(body: Any) -> dict[str, Any] | None:
         chat["tools"] = tools
         if isinstance(body.get("tool_choice"), str):  # "auto", "none", "required": the same in both APIs
             chat["tool_choice"] = body["tool_choice"]
-    kwargs = dict(body["chat_template_kwargs"]) if isinstance(body.get("chat_template_kwargs"), Mapping) else {}
     reasoning = body.get("reasoning")
-    effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
+    return with_render_options(chat, body, effort=reasoning.get("effort") if isinstance(reasoning, Mapping) else None,
+                               whole=whole)
+
+
+def with_render_options(chat: dict[str, Any], body: Mapping[str, Any], *, effort: Any, whole: bool) -> dict[str, Any]:
+    """``chat`` plus what else of ``body`` vLLM renders or caches by: its template kwargs with the
+    reasoning ``effort`` merged over them, no generation prompt when the messages were cut
+    (``whole`` False), its ``cache_salt``."""
+    kwargs = dict(body["chat_template_kwargs"]) if isinstance(body.get("chat_template_kwargs"), Mapping) else {}
     if effort is not None:  # vLLM merges these over the request's own kwargs (enable_thinking unless given)
         kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
     if kwargs:

@@ -136,40 +136,21 @@ def test_a_checkpointed_thread_stays_live_until_the_app_ends_it(own_agentkv_serv
     wait_for(lambda: thread not in fetch_stats(base)["sessions"]["current"], "the chat's end")
 
 
-def test_a_langgraph_app_on_the_responses_api_is_learned(agentkv_server) -> None:
-    """The same app with ``ChatOpenAI(use_responses_api=True)``: tagged through the SDK's
-    ``responses.create``, learned by the server as with chat completions. On the shared server (the
-    module's own keeps only the agents its hit assertions were sized for): deltas and each agent's
-    most likely successor."""
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_a_langgraph_app_on_another_api_is_learned(agentkv_server, api) -> None:
+    """The same app with ``ChatOpenAI(use_responses_api=True)`` (tagged through the openai SDK's
+    ``responses.create``) or on ``ChatAnthropic`` against vLLM's ``/v1/messages`` (the anthropic
+    SDK, tagged alike: no headers passed by the app), learned by the server as with chat
+    completions, and each API's usage read (a Messages response counts cache reads apart from
+    ``input_tokens``). On the shared server (the module's own keeps only the agents its hit
+    assertions were sized for): deltas and each agent's most likely successor."""
     base = agentkv_server.base_url
     run = uuid.uuid4().hex[:8]
     seen: dict[str, list[int]] = {}
-    app, names = build(base, run, seen, api="responses")
+    app, names = build(base, run, seen, api=api)
     before = fetch_stats(base)
     for s in range(2):
-        app.invoke({"task": f"feature {s}", "rounds": 0}, {"configurable": {"thread_id": f"lr-{run}-{s}"}})
-    wait_for(lambda: fetch_stats(base)["sessions"]["ended"] >= before["sessions"]["ended"] + 2, "2 session ends")
-    after = fetch_stats(base)
-    planner, coder, reviewer = names["planner"], names["coder"], names["reviewer"]
-    assert after["tagged_requests"] - before["tagged_requests"] == 2 * 5
-    assert after["dispatches"] - before["dispatches"] == 2 * 5
-    for agent, successor in ((planner, coder), (coder, reviewer), (reviewer, coder)):
-        row = after["transitions"][agent]
-        assert max(row, key=row.get) == successor, agent
-    assert max(seen["coder"]) >= BLOCK  # the usage of a response is read as a chat completion's
-
-
-def test_a_langgraph_app_on_chat_anthropic_is_learned(agentkv_server) -> None:
-    """The same app on ``ChatAnthropic`` against vLLM's ``/v1/messages``: the anthropic SDK is
-    tagged like the openai SDK (no headers passed by the app), the server learns the agents'
-    hand-offs, and the Messages API's usage (cache reads apart from ``input_tokens``) is read."""
-    base = agentkv_server.base_url
-    run = uuid.uuid4().hex[:8]
-    seen: dict[str, list[int]] = {}
-    app, names = build(base, run, seen, api="messages")
-    before = fetch_stats(base)
-    for s in range(2):
-        app.invoke({"task": f"feature {s}", "rounds": 0}, {"configurable": {"thread_id": f"la-{run}-{s}"}})
+        app.invoke({"task": f"feature {s}", "rounds": 0}, {"configurable": {"thread_id": f"l{api}-{run}-{s}"}})
     wait_for(lambda: fetch_stats(base)["sessions"]["ended"] >= before["sessions"]["ended"] + 2, "2 session ends")
     after = fetch_stats(base)
     planner, coder, reviewer = names["planner"], names["coder"], names["reviewer"]
