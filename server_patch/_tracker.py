@@ -200,17 +200,21 @@ class AnchorLengths:
     the anchor is the shortest prefix it shares with one of them: two calls that continue one
     conversation share that conversation too, and calls from interleaved conversations rarely
     all continue one; a call that shares nothing (one before a changed system prompt) is not
-    counted. At most ``max_agents`` agents are remembered; the least recently observed one is
-    forgotten first.
+    counted. The length is the lower median of the agent's last ``agreement`` such measurements:
+    two sessions that happen to open alike (the same task from a short list) share more than the
+    anchor, and one such pair must not stretch it (nor what is filed, valued and warmed as anchor).
+    At most ``max_agents`` agents are remembered; the least recently observed one is forgotten first.
     """
 
-    def __init__(self, max_blocks: int = 1024, max_agents: int = 1024, window: int = 4) -> None:
+    def __init__(self, max_blocks: int = 1024, max_agents: int = 1024, window: int = 4, agreement: int = 5) -> None:
         self._last: OrderedDict[str, tuple[str | None, Sequence[object]]] = OrderedDict()
         self._sessionless: dict[str, deque[Sequence[object]]] = {}  # the agent's latest calls without a session
-        self._length: dict[str, int] = {}
+        self._measured: dict[str, deque[int]] = {}  # the agent's latest measurements, newest last
+        self._length: dict[str, int] = {}  # their lower median
         self._max_blocks = max_blocks
         self._max_agents = max_agents
         self._window = window
+        self._agreement = agreement
 
     def observe(self, agent: str, session: str | None, block_hashes: Sequence[object]) -> None:
         hashes = list(block_hashes[: self._max_blocks])  # one copy, kept by _last and the window alike
@@ -220,17 +224,23 @@ class AnchorLengths:
             if previous is not None:
                 # the latest call is already in the window when it too named no session
                 others = recent if recent and recent[-1] is previous[1] else [*recent, previous[1]]
-                self._length[agent] = min((n for other in others if (n := _common_prefix(hashes, other))), default=0)
+                self._measure(agent, min((n for other in others if (n := _common_prefix(hashes, other))), default=0))
             recent.append(hashes)
         elif previous is not None and previous[0] != session:
-            self._length[agent] = _common_prefix(hashes, previous[1])
+            self._measure(agent, _common_prefix(hashes, previous[1]))
         if previous is None or session is None or previous[0] != session:
             self._last[agent] = (session, hashes)
         self._last.move_to_end(agent)
         if len(self._last) > self._max_agents:
             forgotten, _ = self._last.popitem(last=False)
             self._length.pop(forgotten, None)
+            self._measured.pop(forgotten, None)
             self._sessionless.pop(forgotten, None)
+
+    def _measure(self, agent: str, length: int) -> None:
+        measured = self._measured.setdefault(agent, deque(maxlen=self._agreement))
+        measured.append(length)
+        self._length[agent] = sorted(measured)[(len(measured) - 1) // 2]
 
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)

@@ -4,8 +4,9 @@ Anchors are never rebuilt from what the app *declares*, only from what it *sends
 render tools, dates and key order in ways a rebuilt prompt would miss. :meth:`AnchorBook.observe`
 (an ``on_request`` listener, no I/O) snapshots each agent's calls (``_snapshot``) and lints their
 leading content (``_lint``); :meth:`AnchorBook.resolve` (on the warm-up worker) takes the longest
-common token prefix of two sessions' calls as rendered by the server's ``POST /tokenize``, floored
-to the block size. See docs/frameworks.md ("Warm-up", "Anchors", "Prefix-stability lint").
+common token prefix of the latest three sessions' first calls (two until there are three) as rendered
+by the server's ``POST /tokenize``, floored to the block size. See docs/frameworks.md ("Warm-up",
+"Anchors", "Prefix-stability lint").
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Anchor:
     """An agent's warmable prefix: exact token ids (``tokens``) and/or a chat replay (``chat``).
 
     ``tokens`` is floored to ``block_size``; ``shared_tokens`` is the unfloored common prefix.
-    ``source``: ``cross-session`` (common prefix of two sessions' calls), ``structural`` (one call
+    ``source``: ``cross-session`` (common prefix of the latest sessions' calls), ``structural`` (one call
     vs. its own messages[0] + tools), ``prompt`` (completions prompts) or ``chat`` (no tokenizer:
     replay ``chat`` = messages[0] + tools; its length is only known from the warm-up's answer).
     ``extra`` holds body fields the warm-up must repeat to hit the same blocks (``cache_salt``).
@@ -89,6 +90,7 @@ class _Capture:
 class _Agent:
     latest: _Capture | None = None  # first call of the most recent session
     ref: _Capture | None = None  # first call of the session before it
+    older: _Capture | None = None  # first call of the session before that
     last_structure: Structure | None = None
     last_seen: float = 0.0
     calls: int = 0
@@ -212,9 +214,9 @@ class AnchorBook:
             if latest is None:
                 record.latest, record.sessions = capture, 1
             elif latest.structure.model != structure.model or latest.structure.kind != structure.kind:
-                record.latest, record.ref, record.sessions = capture, None, 1  # another model: start over
+                record.latest, record.ref, record.older, record.sessions = capture, None, None, 1  # another model
             elif session is None or session != latest.session:
-                record.ref, record.latest = latest, capture
+                record.older, record.ref, record.latest = record.ref, latest, capture
                 record.sessions += 1
             self.counts["captured"] += 1
             if finding is not None:
@@ -296,20 +298,22 @@ class AnchorBook:
             record = self._agents.get(agent)
             if record is None or record.latest is None:
                 return None
-            latest, ref, block = record.latest, record.ref, max(1, int(self.block_size or DEFAULT_BLOCK_SIZE))
-            key = (latest.id, None if ref is None else ref.id, block, tokenize is None)
+            latest, ref, older = record.latest, record.ref, record.older
+            block = max(1, int(self.block_size or DEFAULT_BLOCK_SIZE))
+            key = (latest.id, None if ref is None else ref.id, block, tokenize is None,
+                   None if older is None else older.id)
             if record.anchor_key == key:
                 return record.anchor
             now = self.clock()
             known = record.anchor
             if known is not None and record.anchor_key is not None and record.anchor_key[1] is not None \
-                    and ref is not None and record.anchor_key[2:] == key[2:] \
+                    and ref is not None and record.anchor_key[2:4] == key[2:4] \
                     and known.model == latest.structure.model and now - record.anchor_at < ANCHOR_REFRESH:
                 return known  # a cross-session anchor, newer sessions' calls: what they share moves rarely
         if tokenize is None:
             anchor = self._chat_anchor(agent, latest, block)
         else:
-            anchor = self._token_anchor(agent, record, latest, ref, block, tokenize)
+            anchor = self._token_anchor(agent, record, latest, ref, older, block, tokenize)
         with self._lock:
             if record.latest is latest and record.ref is ref:
                 record.anchor, record.anchor_key, record.anchor_at = anchor, key, now
@@ -322,14 +326,16 @@ class AnchorBook:
         return Anchor(agent, latest.structure.model, (), block, "chat", 0, dict(latest.extra), payload)
 
     def _token_anchor(
-        self, agent: str, record: _Agent, latest: _Capture, ref: _Capture | None, block: int, tokenize: Tokenize
+        self, agent: str, record: _Agent, latest: _Capture, ref: _Capture | None, older: _Capture | None, block: int,
+        tokenize: Tokenize,
     ) -> Anchor | None:
         mine = _tokens_of(latest, tokenize)
         if ref is not None:
-            theirs = _tokens_of(ref, tokenize)
-            shared = common_prefix(mine, theirs)
+            shared = common_prefix(mine, _tokens_of(ref, tokenize))
             source = "cross-session" if latest.structure.kind == "chat" else "prompt"
             self._check_tokens(agent, record, latest, ref, shared, tokenize)
+            if older is not None:  # two sessions may open alike (the same task): the anchor is what three share
+                shared = min(shared, common_prefix(mine, _tokens_of(older, tokenize)))
         else:
             struct = _struct_tokens_of(latest, tokenize)
             if struct is None:

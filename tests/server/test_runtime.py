@@ -280,6 +280,26 @@ def test_what_a_call_outside_any_session_caches_beyond_its_anchor_is_history_unt
     assert [untagging._group[i] for i in range(6)] == [Anchor(summarizer)] * 6
 
 
+def test_two_sessions_that_open_alike_do_not_stretch_the_anchor():
+    """Sessions open with a task from a short list, so now and then two in a row share the task
+    too. The anchor was the prefix of the latest such pair: anchor and task (the demo's 36-session
+    run ended with 4 of 6 agents' anchors 2-4 blocks long, and its "calls with the anchor cached"
+    read 36% instead of 76%). One pair in a few no longer moves it."""
+    clock = [0.0]
+    kv = manager(400)
+    runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
+    runtime.install(kv)
+    tasks = [list(range(700_000 + t * 10_000, 700_000 + t * 10_000 + 3 * BS)) for t in range(4)]
+    lengths = []
+    for s, t in enumerate([0, 0, 1, 2, 2, 3, 1, 1, 0, 3, 3, 2]):  # every third pair opens alike
+        own = list(range(800_000 + s * 1000, 800_000 + s * 1000 + 2 * BS))
+        run(kv, runtime, request(anchor("coder") + tasks[t] + own + [7], AgentTag("coder", f"s{s}", "", 0)))
+        lengths.append(runtime.anchors.length("coder"))
+        clock[0] += 1.0
+    assert lengths[1] == ANCHOR_BLOCKS + 3  # the first measurement is all there is
+    assert lengths[2:] == [ANCHOR_BLOCKS] * 10  # before: 7 after each pair that opened alike
+
+
 def test_the_anchor_of_calls_outside_any_session_follows_a_changed_prompt():
     from server_patch._tracker import AnchorLengths
 

@@ -89,6 +89,23 @@ def test_cross_session_anchor_keeps_fixed_few_shot_messages(fake: FakeVLLM, book
     assert anchor.length > len(fixed)  # the few-shot examples are part of the anchor
 
 
+def test_two_sessions_that_open_alike_do_not_stretch_the_anchor(fake: FakeVLLM) -> None:
+    """Tasks from a short list: the latest two sessions may share one, and their common prefix is
+    then anchor and task. A warm-up of that prefix computes the task for sessions that never send it."""
+    clock = [0.0]
+    book = AnchorBook(block_size=fake.block_size, clock=lambda: clock[0])
+    task = "Add a hit-rate counter to BlockCache and document how to read it. " * 3
+    fixed = render_tokens(fake, [{"role": "system", "content": SYSTEM}], add_generation_prompt=False)
+    book.capture("coder", "s1", chat(user="Write release notes for the new eviction order."))
+    book.capture("coder", "s2", chat(user=task))
+    assert book.resolve("coder", tokenizer_of(fake)).length == len(fixed) // 16 * 16
+    clock[0] += ANCHOR_REFRESH  # a known anchor is recomputed from newer sessions
+    book.capture("coder", "s3", chat(user=task))  # opens as s2 did
+    anchor = book.resolve("coder", tokenizer_of(fake))
+    assert anchor.source == "cross-session" and anchor.length == len(fixed) // 16 * 16  # before: task included
+    assert common_prefix(fake.tokens(chat(user=task)), list(anchor.tokens)) == anchor.length
+
+
 def test_same_session_history_is_not_anchor(fake: FakeVLLM, book: AnchorBook) -> None:
     first = chat(user="task")
     book.capture("coder", "s1", first)
