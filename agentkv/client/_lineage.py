@@ -111,10 +111,6 @@ class SessionTracker:
         if notify:
             SESSION_END.notify(session)
 
-    def forget(self, session: str) -> None:
-        with self._lock:
-            self._sessions.pop(session, None)
-
     def __len__(self) -> int:
         return len(self._sessions)
 
