@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agentkv.bench.report import index_results
+
 WORKLOADS = ("pipeline", "debate", "selector", "random", "teams", "multi-app", "heavy-tools", "abandoned")
 TAPES = Path(".build/tune/tapes")
 
@@ -48,8 +50,7 @@ def run(out: Path) -> None:
 
 
 def _results(directory: Path) -> dict[tuple[str, int, str], dict[str, Any]]:
-    document = json.loads((directory / "replay.json").read_text())
-    return {(r["tape"], r["capacity"], r["policy"]): r for r in document["results"]}
+    return index_results(json.loads((directory / "replay.json").read_text())["results"])
 
 
 def compare(directories: list[Path]) -> None:

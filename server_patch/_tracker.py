@@ -210,7 +210,7 @@ class AnchorLengths:
         self._last: OrderedDict[str, tuple[str | None, Sequence[object]]] = OrderedDict()
         self._sessionless: dict[str, deque[Sequence[object]]] = {}  # the agent's latest calls without a session
         self._measured: dict[str, deque[int]] = {}  # the agent's latest measurements, newest last
-        self._length: dict[str, int] = {}  # their lower median
+        self._length: dict[str, int] = {}  # their lower median, kept: read for every cached run of blocks
         self._max_blocks = max_blocks
         self._max_agents = max_agents
         self._window = window

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TARGETS", "markdown", "plot", "targets"]
+__all__ = ["TARGETS", "index_results", "markdown", "plot", "targets"]
 
 # Issue "Benchmarks, examples and the one-command demo": agentkv's token hit rate against lru.
 TARGETS: dict[str, dict[str, float]] = {
@@ -22,7 +22,8 @@ def _pct(value: float) -> str:
     return f"{100 * value:.1f}"
 
 
-def _cells(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, Any]]:
+def index_results(results: Sequence[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str, Any]]:
+    """A replay report's results by (tape, capacity, policy)."""
     return {(r["tape"], r["capacity"], r["policy"]): r for r in results}
 
 
@@ -40,7 +41,7 @@ def _stats(cells: dict, name: str, variant: str, capacities: Sequence[int]) -> d
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per tape and agentkv variant: mean gain over lru and share of the lru->belady gap closed
     on the kept capacities (the targets), and the same over every candidate capacity."""
-    cells = _cells(report["results"])
+    cells = index_results(report["results"])
     out = []
     for tape in report["tapes"]:
         name, topology, kept, every = tape["name"], tape.get("topology"), tape["kept"], tape["candidates"]
@@ -64,7 +65,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    cells = _cells(report["results"])
+    cells = index_results(report["results"])
     policies = report["policies"]
     lines = ["### Tapes", "",
              "| tape | sessions | requests | anchor share | R (target) | largest request (blocks) "
@@ -170,7 +171,7 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = _cells(report["results"])
+    cells = index_results(report["results"])
     tapes = report["tapes"]
     columns = 2 if len(tapes) > 1 else 1
     rows = -(-len(tapes) // columns)

@@ -300,14 +300,14 @@ class AnchorBook:
                 return None
             latest, ref, older = record.latest, record.ref, record.older
             block = max(1, int(self.block_size or DEFAULT_BLOCK_SIZE))
-            key = (latest.id, None if ref is None else ref.id, block, tokenize is None,
-                   None if older is None else older.id)
+            key = (latest.id, None if ref is None else ref.id, None if older is None else older.id, block,
+                   tokenize is None)
             if record.anchor_key == key:
                 return record.anchor
             now = self.clock()
             known = record.anchor
             if known is not None and record.anchor_key is not None and record.anchor_key[1] is not None \
-                    and ref is not None and record.anchor_key[2:4] == key[2:4] \
+                    and ref is not None and record.anchor_key[3:] == key[3:] \
                     and known.model == latest.structure.model and now - record.anchor_at < ANCHOR_REFRESH:
                 return known  # a cross-session anchor, newer sessions' calls: what they share moves rarely
         if tokenize is None:
