@@ -200,9 +200,12 @@ class AnchorLengths:
     the anchor is the shortest prefix it shares with one of them: two calls that continue one
     conversation share that conversation too, and calls from interleaved conversations rarely
     all continue one; a call that shares nothing (one before a changed system prompt) is not
-    counted. The length is the lower median of the agent's last ``agreement`` such measurements:
-    two sessions that happen to open alike (the same task from a short list) share more than the
-    anchor, and one such pair must not stretch it (nor what is filed, valued and warmed as anchor).
+    counted. Two sessions that happen to open alike (the same task from a short list) share more
+    than the anchor, and one such pair must not stretch it (nor what is filed, valued and warmed
+    as anchor): the length is the lower median of the agent's last ``agreement`` measurements.
+    A measurement shorter than the anchor means the prefix changed (a new system prompt, another
+    app calling an agent of that name): the measurements start over from it, and until there are
+    three again the latest is the length, so that two sessions still teach a new anchor.
     At most ``max_agents`` agents are remembered; the least recently observed one is forgotten first.
     """
 
@@ -239,8 +242,10 @@ class AnchorLengths:
 
     def _measure(self, agent: str, length: int) -> None:
         measured = self._measured.setdefault(agent, deque(maxlen=self._agreement))
+        if length < self._length.get(agent, 0):
+            measured.clear()
         measured.append(length)
-        self._length[agent] = sorted(measured)[(len(measured) - 1) // 2]
+        self._length[agent] = sorted(measured)[(len(measured) - 1) // 2] if len(measured) >= 3 else length
 
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)

@@ -300,6 +300,21 @@ def test_two_sessions_that_open_alike_do_not_stretch_the_anchor():
     assert lengths[2:] == [ANCHOR_BLOCKS] * 10  # before: 7 after each pair that opened alike
 
 
+def test_two_sessions_teach_a_changed_anchor_at_once():
+    """Another app calls an agent of the same name (or its system prompt changed): the old
+    measurements no longer count, and two sessions of the new prompt teach its anchor, as before
+    the median (a shared test server failed on it when another module's coder came first)."""
+    from server_patch._tracker import AnchorLengths
+
+    anchors = AnchorLengths()
+    for s in range(6):
+        anchors.observe("coder", f"old-{s}", [1, 2, 3, 4, 100 + s])
+    assert anchors.length("coder") == 4
+    anchors.observe("coder", "new-0", [1, 7, 8, 9, 10, 11, 200])  # shares the chat template's block only
+    anchors.observe("coder", "new-1", [1, 7, 8, 9, 10, 11, 201])
+    assert anchors.length("coder") == 6
+
+
 def test_the_anchor_of_calls_outside_any_session_follows_a_changed_prompt():
     from server_patch._tracker import AnchorLengths
 
