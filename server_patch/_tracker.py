@@ -201,11 +201,13 @@ class AnchorLengths:
     conversation share that conversation too, and calls from interleaved conversations rarely
     all continue one; a call that shares nothing (one before a changed system prompt) is not
     counted. Two sessions that happen to open alike (the same task from a short list) share more
-    than the anchor, and one such pair must not stretch it (nor what is filed, valued and warmed
-    as anchor): the length is the lower median of the agent's last ``agreement`` measurements.
-    A measurement shorter than the anchor means the prefix changed (a new system prompt, another
-    app calling an agent of that name): the measurements start over from it, and until there are
-    three again the latest is the length, so that two sessions still teach a new anchor.
+    than the anchor, and such pairs must not stretch it (nor what is filed, valued and warmed as
+    anchor), even when one pair in three or four opens alike: the length is the second smallest
+    of the agent's last ``agreement`` measurements (the only one while there is one). A
+    measurement shorter than the anchor means the prefix changed (a new system prompt, another
+    app calling an agent of that name) or the anchor had been stretched: the measurements start
+    over from it. The first measurement after a change compares the old prompt with the new; being
+    the smallest, it does not count once a second one exists, so two sessions teach a new anchor.
     At most ``max_agents`` agents are remembered; the least recently observed one is forgotten first.
     """
 
@@ -213,7 +215,7 @@ class AnchorLengths:
         self._last: OrderedDict[str, tuple[str | None, Sequence[object]]] = OrderedDict()
         self._sessionless: dict[str, deque[Sequence[object]]] = {}  # the agent's latest calls without a session
         self._measured: dict[str, deque[int]] = {}  # the agent's latest measurements, newest last
-        self._length: dict[str, int] = {}  # their lower median, kept: read for every cached run of blocks
+        self._length: dict[str, int] = {}  # their second smallest, kept: read for every cached run of blocks
         self._max_blocks = max_blocks
         self._max_agents = max_agents
         self._window = window
@@ -243,9 +245,11 @@ class AnchorLengths:
     def _measure(self, agent: str, length: int) -> None:
         measured = self._measured.setdefault(agent, deque(maxlen=self._agreement))
         if length < self._length.get(agent, 0):
-            measured.clear()
+            measured.clear()  # the prefix changed, or the anchor had been stretched
         measured.append(length)
-        self._length[agent] = sorted(measured)[(len(measured) - 1) // 2] if len(measured) >= 3 else length
+        # the second smallest: one measurement across a changed prompt (the first after it, which
+        # may find no change when nothing was learned yet) does not hold the anchor down either
+        self._length[agent] = sorted(measured)[min(1, len(measured) - 1)]
 
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)
