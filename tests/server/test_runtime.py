@@ -333,7 +333,7 @@ def test_two_sessions_teach_a_changed_anchor_at_once():
     anchors.observe("coder", "new-1", [1, 7, 8, 9, 10, 11, 201])
     assert anchors.length("coder") == 6
     # nothing learned yet (another app's planner ran in one session): the first comparison finds
-    # no change to start over from, and must not hold the new anchor down (a CI run's shared server)
+    # no change to start over from, and must not hold the new anchor down (the example tests on one shared server)
     anchors.observe("planner", "other-app", [50, 51])
     anchors.observe("planner", "new-0", [1, 2, 3, 4, 300])  # shares nothing with the other app's
     anchors.observe("planner", "new-1", [1, 2, 3, 4, 301])
