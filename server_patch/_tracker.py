@@ -202,7 +202,7 @@ class AnchorLengths:
     all continue one; a call that shares nothing (one before a changed system prompt) is not
     counted. Two sessions that happen to open alike (the same task from a short list) share more
     than the anchor, and such pairs must not stretch it (nor what is filed, valued and warmed as
-    anchor), even when one pair in three or four opens alike: the length is the second smallest
+    anchor) unless four of the last five pairs did: the length is the second smallest
     of the agent's last ``agreement`` measurements (the only one while there is one). A
     measurement shorter than the anchor means the prefix changed (a new system prompt, another
     app calling an agent of that name) or the anchor had been stretched: the measurements start
