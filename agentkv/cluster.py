@@ -84,8 +84,9 @@ class Cluster:
     """Replicas first (the router waits for healthy workers), then the router; ``add_router``
     puts more routers (other policies) in front of the same replicas, e.g. to compare policies.
 
-    Invariant: ``processes`` lists everything started, in start order; ``stop`` stops
-    them in reverse order and is idempotent.
+    Invariant: ``processes`` lists everything started: the replicas in index order (a replica
+    relaunched on fresh ports takes its predecessor's place), then the routers in start order;
+    ``stop`` stops them in reverse order and is idempotent.
     """
 
     def __init__(self, config: ClusterConfig) -> None:
@@ -169,11 +170,11 @@ class Cluster:
                 if attempt == _PORT_RETRIES or "Address already in use" not in str(exc):
                     raise
             logger.warning("agentkv cluster: replica %d lost a port to another process; relaunching", index)
-            self.processes.remove(replica)
+            slot = self.processes.index(replica)
             self.replica_ports[index], self.event_ports[index] = free_port(), free_port()
             self.replica_urls[index] = f"http://{HOST}:{self.replica_ports[index]}"
             replica = self._replica(index)
-            self.processes.append(replica.launch())
+            self.processes[slot] = replica.launch()
 
     def add_router(self, policy: str, args: Sequence[str] = (), timeout: float = 120.0) -> str:
         """Start another vllm-router (``policy``, extra router ``args``) in front of the running

@@ -94,3 +94,16 @@ def test_a_replica_that_lost_a_port_is_relaunched_on_fresh_ports(monkeypatch, tm
         with pytest.raises(RuntimeError, match="during start-up"):
             running.start()
         assert _STARTS.count(1) == starts and running.processes == []
+
+
+def test_a_relaunched_replica_keeps_its_place(monkeypatch, tmp_path):
+    """The state file lists the replicas' process groups in index order; a relaunched replica 0
+    was appended after replica 1 (a CI run: replica-1's environment at index 0)."""
+    from agentkv import cluster
+
+    _STARTS.clear()
+    running = cluster.Cluster(cluster.ClusterConfig("model", replicas=2, policy="round_robin", log_dir=tmp_path))
+    monkeypatch.setattr(running, "_replica", lambda index: _FlakyReplica(index, 1 if index == 0 else 0, LOST_PORT))
+    monkeypatch.setattr(running, "_router", lambda *args, **kwargs: _FlakyReplica(9, 0, ""))
+    running.start()
+    assert _STARTS == [0, 1, 0, 9] and [p.index for p in running.processes] == [0, 1, 9]
