@@ -280,22 +280,29 @@ def test_what_a_call_outside_any_session_caches_beyond_its_anchor_is_history_unt
     assert [untagging._group[i] for i in range(6)] == [Anchor(summarizer)] * 6
 
 
-def test_two_sessions_that_open_alike_do_not_stretch_the_anchor():
-    """Sessions open with a task from a short list, so now and then two in a row share the task
-    too. The anchor was the prefix of the latest such pair: anchor and task (the demo's 36-session
-    run ended with 4 of 6 agents' anchors 2-4 blocks long, and its "calls with the anchor cached"
-    read 36% instead of 76%). One pair in a few no longer moves it."""
+def _coder_anchor_lengths(task_order: list[int]) -> list[int]:
+    """The coder's learned anchor after each session's call, on a real KVCacheManager: session s
+    opens with task ``task_order[s]`` (of four) after the anchor, then two blocks of its own."""
     clock = [0.0]
     kv = manager(400)
     runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
     runtime.install(kv)
     tasks = [list(range(700_000 + t * 10_000, 700_000 + t * 10_000 + 3 * BS)) for t in range(4)]
     lengths = []
-    for s, t in enumerate([0, 0, 1, 2, 2, 3, 1, 1, 0, 3, 3, 2]):  # every third pair opens alike
+    for s, t in enumerate(task_order):
         own = list(range(800_000 + s * 1000, 800_000 + s * 1000 + 2 * BS))
         run(kv, runtime, request(anchor("coder") + tasks[t] + own + [7], AgentTag("coder", f"s{s}", "", 0)))
         lengths.append(runtime.anchors.length("coder"))
         clock[0] += 1.0
+    return lengths
+
+
+def test_two_sessions_that_open_alike_do_not_stretch_the_anchor():
+    """Sessions open with a task from a short list, so now and then two in a row share the task
+    too. The anchor was the prefix of the latest such pair: anchor and task (the demo's 36-session
+    run ended with 4 of 6 agents' anchors 2-4 blocks long, and its "calls with the anchor cached"
+    read 36% instead of 76%). One pair in a few no longer moves it."""
+    lengths = _coder_anchor_lengths([0, 0, 1, 2, 2, 3, 1, 1, 0, 3, 3, 2])  # every third pair opens alike
     assert lengths[1] == ANCHOR_BLOCKS + 3  # the first measurement is all there is
     assert lengths[2:] == [ANCHOR_BLOCKS] * 10  # before: 7 after each pair that opened alike
 
@@ -305,17 +312,8 @@ def test_sessions_that_often_open_alike_do_not_stretch_the_anchor():
     and three of the last five did, so the lower median of five ended a block long (and the
     report read "calls with the anchor cached" 81% instead of 96%). Three pairs of the last five
     that open alike leave it alone."""
-    clock = [0.0]
-    kv = manager(400)
-    runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
-    runtime.install(kv)
-    tasks = [list(range(700_000 + t * 10_000, 700_000 + t * 10_000 + 3 * BS)) for t in range(4)]
-    lengths = []
-    for s, t in enumerate([0, 1, 2, 3, 0, 0, 1, 1, 2, 2]):  # the last five pairs: alike, not, alike, not, alike
-        own = list(range(800_000 + s * 1000, 800_000 + s * 1000 + 2 * BS))
-        run(kv, runtime, request(anchor("coder") + tasks[t] + own + [7], AgentTag("coder", f"s{s}", "", 0)))
-        lengths.append(runtime.anchors.length("coder"))
-        clock[0] += 1.0
+    # the last five pairs: alike, not, alike, not, alike
+    lengths = _coder_anchor_lengths([0, 1, 2, 3, 0, 0, 1, 1, 2, 2])
     assert lengths[1:] == [ANCHOR_BLOCKS] * 9  # before: ANCHOR_BLOCKS + 3 after the last
 
 
