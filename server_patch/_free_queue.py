@@ -87,7 +87,8 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
     O(log heap) per run of blocks taken from one group (stale heap entries are
     skipped lazily and the heap is compacted); ``set_group_scores`` O(G) for G
     non-empty groups plus O(log heap) per group whose score changed, or, told
-    which partitions changed, O(groups of those partitions + unpartitioned).
+    which partitions changed, O(groups of those partitions + unpartitioned);
+    ``rescore_partition`` O(groups of that partition).
     """
 
     def __init__(
@@ -171,6 +172,15 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             partitions = self._partitions
             groups = [*self._unpartitioned.values(),
                       *(g for p in changed_partitions if (members := partitions.get(p)) for g in members.values())]
+        self._rescore(groups)
+
+    def rescore_partition(self, partition: Hashable) -> None:
+        """Re-score one partition's groups with the current scores (those of the others stand)."""
+        members = self._partitions.get(partition)
+        if members:
+            self._rescore(list(members.values()))
+
+    def _rescore(self, groups: Iterable[_Group[K]]) -> None:
         changed = []
         score_of = self._score_of
         for group in groups:

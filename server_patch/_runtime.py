@@ -265,6 +265,10 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             if step is None:  # a client that sends no step: one agent's consecutive calls are one dispatch
                 step = self.timing.implied_step(tag.session, tag.agent)
             self.timing.observe(tag.session, tag.agent, self.clock(), step)
+            # the session's history is valued by its new agent now, not at the next refresh, which
+            # may come after this call's allocation has evicted by the old values
+            for queue in self.queues:
+                queue.rescore_partition(tag.session)
         elif not tag.warmup:  # no session sent, none recognized: a session of one call
             self.timing.call_outside_session(self.clock())
         if tag.session is not None and self.facts.is_ended(tag.session):

@@ -4,6 +4,7 @@ and a group's blocks may span several hash blocks (the unit anchors are learned 
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -96,3 +97,25 @@ def test_a_sliding_window_group_keeps_every_anchor_under_pressure(window_first):
     assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["history"]
     # the warm-ups' residency check reads full attention's blocks: the window caches the tail only
     assert [runtime.anchor_residency(agent) for agent in "abcdef"] == [(ANCHOR_BLOCKS, ANCHOR_BLOCKS)] * 6
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_anchors_stay_whole_when_calls_come_faster_than_the_refresh(seed):
+    """The server test's workload (six agents passed along by four sessions) on a clock of uneven
+    call times, most shorter than the refresh interval: a session's dispatch re-values its history
+    at once. Before, its history kept the value of the agent it had been waiting for ("next")
+    until a refresh, and a call in between evicted an anchor for it."""
+    window = SlidingWindowSpec(block_size=HASH_BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                               sliding_window=2 * HASH_BLOCK)
+    kv = hybrid_manager(120, window)
+    now = [0.0]
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.1), clock=lambda: now[0])
+    runtime.install(kv)
+    durations = random.Random(seed).choices([0.02, 0.05, 0.2], k=72)
+    hits = []
+    for turn, duration in enumerate(durations):
+        agent = "abcdef"[(turn // 4 + turn % 4) % 6]
+        hits.append(call(kv, runtime, agent, f"s{turn % 4}", 100_000 + 1_000 * turn)[0])
+        now[0] += duration
+    assert min(hits[24:]) == ANCHOR_BLOCKS * HASH_BLOCK
+    assert runtime.stats()["evictions"]["anchor"] == 0

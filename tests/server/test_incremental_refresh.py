@@ -133,3 +133,28 @@ def test_only_the_named_partitions_and_the_unpartitioned_groups_are_rescored() -
               if block.block_id in by_block]
     assert [repr(key) for key in popped][:2] == ["s2/x", "s2/x"]
     assert not queue._partitions and not queue._unpartitioned and not queue._groups
+
+
+def test_one_partition_is_rescored_by_the_current_scores() -> None:
+    """``rescore_partition`` re-reads the score function for one partition's groups only (a
+    session that dispatched); the anchors keep their scores."""
+    kv = make_manager(20, BS)
+    pool = kv.block_pool
+    keys = [_Key("s1", "x"), _Key("s2", "x"), _Key(None, "anchor")]
+    by_block: dict[int, _Key] = {}
+    queue = ScoredFreeBlockQueue.replace(pool, lambda block: by_block[block.block_id],
+                                         partition_of=lambda key: key.session)
+    blocks = queue.popleft_n(6)
+    for i, block in enumerate(blocks):
+        by_block[block.block_id] = keys[i % 3]
+    queue.append_n(blocks)
+    scores = {"s1/x": 3.0, "s2/x": 2.0, "None/anchor": 1.0}
+    queue.set_group_scores(lambda key: scores[repr(key)])
+    scores.update({"s1/x": 0.0, "s2/x": 0.0, "None/anchor": 0.0})
+    queue.rescore_partition("s1")
+    queue.rescore_partition("gone")  # a session with no free blocks: nothing to do
+    assert {repr(key): group.score for key, group in queue._groups.items()} == {
+        "s1/x": 0.0, "s2/x": 2.0, "None/anchor": 1.0}
+    popped = [repr(by_block[block.block_id]) for block in queue.popleft_n(queue.num_free_blocks)
+              if block.block_id in by_block]
+    assert popped == ["s1/x", "s1/x", "None/anchor", "None/anchor", "s2/x", "s2/x"]
