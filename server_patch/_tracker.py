@@ -207,7 +207,9 @@ class AnchorLengths:
     measurement shorter than the anchor means the prefix changed (a new system prompt, another
     app calling an agent of that name) or the anchor had been stretched: the measurements start
     over from it. The first measurement after a change compares the old prompt with the new; being
-    the smallest, it does not count once a second one exists, so two sessions teach a new anchor.
+    the smallest, it does not count once a second one exists, so two sessions teach a new anchor;
+    but an agent whose pairs agreed on none (two measurements of 0: no anchor, or two apps calling
+    agents of one name) grows one as a stretch does, once four of the last five pairs share it.
     At most ``max_agents`` agents are remembered; the least recently observed one is forgotten first.
     """
 

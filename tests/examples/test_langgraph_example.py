@@ -82,15 +82,17 @@ def test_graph_declares_the_six_agents(example):
 
 
 @pytest.mark.server
-def test_two_sessions_on_agentkv_teach_the_server_six_anchors(agentkv_server, example):
+def test_two_sessions_on_agentkv_teach_the_server_six_anchors(own_agentkv_server, example):
+    # a server of its own: on the shared one other tests' agents of the same names (other prompts)
+    # may have agreed on no anchor, and growing one from there takes four sessions of five
     # a seed whose two sessions both visit all six agents, so each agent's anchor is seen in two sessions
     seed = next(
         s for s in range(200)
         if all(set(planned_path(example, f"session-{s}-{i}", s)) == set(AGENTS) for i in range(2))
     )
-    snapshot = StatsSnapshot.take(agentkv_server.base_url)  # the shared server: deltas from here
+    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
     run = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--base-url", agentkv_server.base_url + "/v1", "--sessions", "2",
+        [sys.executable, str(EXAMPLE), "--base-url", own_agentkv_server.base_url + "/v1", "--sessions", "2",
          "--concurrency", "2", "--seed", str(seed), "--tool-choice", "none", "--tool-gap", "0.05",
          "--routing", "markov"],
         capture_output=True, text=True, timeout=300,

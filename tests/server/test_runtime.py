@@ -338,6 +338,23 @@ def test_two_sessions_teach_a_changed_anchor_at_once():
     assert anchors.length("planner") == 4
 
 
+def test_an_agent_whose_sessions_shared_nothing_grows_an_anchor_as_a_stretch():
+    """Two apps call agents named "planner" in turn: their pairs agree on no anchor. When one app
+    stops, a pair sharing the other's anchor could be two sessions that opened alike, so it takes
+    four of the last five (the example test of the two-session promise has a server of its own)."""
+    from server_patch._tracker import AnchorLengths
+
+    anchors = AnchorLengths()
+    for s in range(4):
+        anchors.observe("planner", f"app-{s % 2}-{s}", [s % 2, 2, 3, 400 + s])
+    assert anchors.length("planner") == 0
+    lengths = []
+    for s in range(4, 9):
+        anchors.observe("planner", f"app-1-{s}", [1, 2, 3, 400 + s])
+        lengths.append(anchors.length("planner"))
+    assert lengths == [0, 0, 0, 3, 3]
+
+
 def test_the_anchor_of_calls_outside_any_session_follows_a_changed_prompt():
     from server_patch._tracker import AnchorLengths
 
