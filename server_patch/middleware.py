@@ -60,7 +60,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 RECOGNIZED_PATH = "/agentkv/v1/recognized"  # recent recognitions: [request id, agent, session]
 # vLLM passes each one's vllm_xargs to the engine (Anthropic's messages are served as chat completions)
-_TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+_TAGGED_PATHS = frozenset({"/v1/chat/completions", "/v1/chat/completions/batch", "/v1/completions", "/v1/responses",
+                           "/v1/messages"})
 _AGENTKV_PREFIX = "/agentkv/"
 _XARG_PREFIX = "agentkv_"
 # a Responses API request run in the background is answered "queued" at once: its silence tells nothing

@@ -131,3 +131,17 @@ def test_a_tool_loop_without_steps_is_learned_as_one_dispatch(own_agentkv_server
     planner, coder = stats["transitions"]["loop.planner"], stats["transitions"]["loop.coder"]
     assert max(planner, key=planner.get) == "loop.coder"  # the rest is the chain's smoothing over known agents
     assert coder.get("loop.coder", 0.0) < coder["loop.planner"] / 2  # the loop taught no coder -> coder
+
+
+def test_a_batch_of_chat_conversations_is_tagged_by_its_headers(own_agentkv_server):
+    """vLLM's ``/v1/chat/completions/batch``: each conversation is a call of the tagged agent."""
+    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
+    conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(2)]
+    response = httpx.post(own_agentkv_server.base_url + "/v1/chat/completions/batch", trust_env=False, timeout=120,
+                          json={"model": "tiny", "messages": conversations, "max_tokens": 1},
+                          headers={"X-AgentKV-Agent": "batch.grader", "X-AgentKV-Session": "batch-1"})
+    response.raise_for_status()
+    assert len(response.json()["choices"]) == 2
+    stats = snapshot.now()
+    assert snapshot.delta("tagged_requests", now=stats) == 2
+    assert snapshot.agent_delta("batch.grader", now=stats) > 0
