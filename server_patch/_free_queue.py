@@ -178,7 +178,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         """Re-score one partition's groups with the current scores (those of the others stand)."""
         members = self._partitions.get(partition)
         if members:
-            self._rescore(list(members.values()))
+            self._rescore(members.values())  # re-scoring moves no group between partitions
 
     def _rescore(self, groups: Iterable[_Group[K]]) -> None:
         changed = []

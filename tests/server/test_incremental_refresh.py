@@ -110,20 +110,25 @@ class _Key:
         return f"{self.session}/{self.name}"
 
 
-def test_only_the_named_partitions_and_the_unpartitioned_groups_are_rescored() -> None:
-    kv = make_manager(20, BS)
-    pool = kv.block_pool
-    keys = [_Key("s1", "x"), _Key("s1", "y"), _Key("s2", "x"), _Key(None, "anchor")]
+def _free_queue_of(keys: list[_Key], copies: int) -> tuple[ScoredFreeBlockQueue[_Key], dict[int, _Key]]:
+    """A scored queue partitioned by session, holding ``copies`` free blocks of each key in turn
+    (and by which key each block was filed)."""
     by_block: dict[int, _Key] = {}
 
     def group_of(block: KVCacheBlock) -> _Key:
         return by_block[block.block_id]
 
+    pool = make_manager(20, BS).block_pool
     queue = ScoredFreeBlockQueue.replace(pool, group_of, partition_of=lambda key: key.session)
-    blocks = queue.popleft_n(8)
+    blocks = queue.popleft_n(copies * len(keys))
     for i, block in enumerate(blocks):
-        by_block[block.block_id] = keys[i % 4]
+        by_block[block.block_id] = keys[i % len(keys)]
     queue.append_n(blocks)
+    return queue, by_block
+
+
+def test_only_the_named_partitions_and_the_unpartitioned_groups_are_rescored() -> None:
+    queue, by_block = _free_queue_of([_Key("s1", "x"), _Key("s1", "y"), _Key("s2", "x"), _Key(None, "anchor")], 2)
     queue.set_group_scores(lambda key: 1.0)
     queue.set_group_scores(lambda key: 2.0, changed_partitions={"s1"})
     assert {repr(key): group.score for key, group in queue._groups.items()} == {
@@ -138,16 +143,7 @@ def test_only_the_named_partitions_and_the_unpartitioned_groups_are_rescored() -
 def test_one_partition_is_rescored_by_the_current_scores() -> None:
     """``rescore_partition`` re-reads the score function for one partition's groups only (a
     session that dispatched); the anchors keep their scores."""
-    kv = make_manager(20, BS)
-    pool = kv.block_pool
-    keys = [_Key("s1", "x"), _Key("s2", "x"), _Key(None, "anchor")]
-    by_block: dict[int, _Key] = {}
-    queue = ScoredFreeBlockQueue.replace(pool, lambda block: by_block[block.block_id],
-                                         partition_of=lambda key: key.session)
-    blocks = queue.popleft_n(6)
-    for i, block in enumerate(blocks):
-        by_block[block.block_id] = keys[i % 3]
-    queue.append_n(blocks)
+    queue, by_block = _free_queue_of([_Key("s1", "x"), _Key("s2", "x"), _Key(None, "anchor")], 2)
     scores = {"s1/x": 3.0, "s2/x": 2.0, "None/anchor": 1.0}
     queue.set_group_scores(lambda key: scores[repr(key)])
     scores.update({"s1/x": 0.0, "s2/x": 0.0, "None/anchor": 0.0})
