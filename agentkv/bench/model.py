@@ -28,11 +28,14 @@ from agentkv.testing.tiny_model import ModelShape, build_llama
 __all__ = ["FALLBACK_BF16_SHAPE", "NATIVE_BF16_SHAPE", "CostProfile", "bench_shape", "build_bench_model", "main",
            "measure_cost", "native_bf16"]
 
-# Where the CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX), vLLM CPU runs the linears in
-# oneDNN: 512 x 4 layers (head_dim 64; 21 M parameters) costs 84 ms per 1K prompt tokens, 4.5 ms
-# per decode step and a 17 ms per-request floor on one idle core, so a 1.5K-token prefill is ~28
-# decode steps and ~8x the floor, the shape of an 8B model on a GPU.
-NATIVE_BF16_SHAPE = ModelShape(hidden_size=512, num_layers=4, num_heads=8, intermediate_size=2048)
+# Where the CPU multiplies bfloat16 natively (AVX-512 BF16), vLLM CPU runs the linears in oneDNN:
+# 768 x 6 layers (head_dim 64; 63 M parameters) costs 260-790 ms per 1K prompt tokens, 12-14 ms
+# per decode step and a 32-57 ms per-request floor on one idle core (two CPUs of this kind), so a
+# 1.5K-token prefill is ~30-90 decode steps and ~10-20x the floor, the shape of an 8B model on a
+# GPU, and the demo's traffic keeps a core about as busy as on the CPUs without it. (512 x 4 had
+# the shape too, but a call cost a core ~0.3 s on the slower of the two: a core idle 3/4 of the
+# time, unlike a served GPU.)
+NATIVE_BF16_SHAPE = ModelShape(hidden_size=768, num_layers=6, num_heads=12, intermediate_size=3072)
 # Without it vLLM falls back to torch's bfloat16 matmul, which is slow per token (hidden 512 x 6
 # layers: 7.5 s per 1K prompt tokens on a loaded core): 256 x 2 layers (4.2 M parameters) keeps a
 # benchmark within minutes there and still costs ~235 decode steps per 1.5K-token prefill.
