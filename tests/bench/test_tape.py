@@ -70,6 +70,18 @@ def test_a_hand_written_tape_reads():
     assert tape.tokens("a/task", 9) == segment_tokens("a/task", 9)
 
 
+def test_an_empty_segment_adds_no_token():
+    """A span of 0 tokens (a tool that returned nothing) is legal and leaves the prompt as it is."""
+    lines = [
+        {"format": "agentkv-tape", "version": 1, "block_size": 16},
+        {"t": 0.0, "session": "a", "agent": "coder", "segments": [["anchor/coder", 40], ["a/tool", 0], ["a/task", 9]],
+         "output_tokens": 5, "tool_gap": 0},
+    ]
+    tape = read_tape(io.StringIO("\n".join(json.dumps(x) for x in lines)))
+    assert tape.requests[0].segments == (("anchor/coder", 40), ("a/task", 9))
+    assert tape.requests[0].prompt_tokens == 49
+
+
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
@@ -77,8 +89,11 @@ def test_a_hand_written_tape_reads():
         ([{"format": "agentkv-tape", "version": 2, "block_size": 16}], "version"),
         ([{"format": "agentkv-tape", "version": 1, "block_size": 16}, {"t": 0}], "missing field"),
         ([{"format": "agentkv-tape", "version": 1, "block_size": 16},
-          {"t": 1.0, "session": "a", "agent": "x", "parent": "", "segments": [["k", 0]], "output_tokens": 1,
+          {"t": 1.0, "session": "a", "agent": "x", "parent": "", "segments": [["k", -1]], "output_tokens": 1,
            "tool_gap": 0}], "segment"),
+        ([{"format": "agentkv-tape", "version": 1, "block_size": 16},
+          {"t": 1.0, "session": "a", "agent": "x", "parent": "", "segments": [["k", 0]], "output_tokens": 1,
+           "tool_gap": 0}], "at least one token"),
         ([{"format": "agentkv-tape", "version": 1, "block_size": 16},
           {"t": 1.0, "session": "a", "agent": "x", "parent": "", "segments": [["k", 2]], "output_tokens": 1,
            "tool_gap": 0},

@@ -226,11 +226,12 @@ def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
     segments = []
     for segment in obj["segments"]:
         if (not isinstance(segment, list) or len(segment) != 2 or not isinstance(segment[0], str)
-                or not isinstance(segment[1], int) or isinstance(segment[1], bool) or segment[1] < 1):
-            raise _fail(line, f"segment {segment!r} must be [key, n_tokens >= 1]")
-        segments.append((segment[0], segment[1]))
+                or not isinstance(segment[1], int) or isinstance(segment[1], bool) or segment[1] < 0):
+            raise _fail(line, f"segment {segment!r} must be [key, n_tokens >= 0]")
+        if segment[1]:  # an empty span (a tool that returned nothing) adds no token
+            segments.append((segment[0], segment[1]))
     if not segments:
-        raise _fail(line, "a request needs at least one segment")
+        raise _fail(line, "a request's prompt needs at least one token")
     if sum(n for _, n in segments) + obj["output_tokens"] > MAX_REQUEST_TOKENS:
         raise _fail(line, f"a request's prompt and output tokens must total at most {MAX_REQUEST_TOKENS:,}")
     if not (math.isfinite(obj["t"]) and math.isfinite(obj["tool_gap"])):
