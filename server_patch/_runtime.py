@@ -65,11 +65,10 @@ _FULL_EVERY = 4
 # fast engine, short answers, tool loops), a model a few requests old scores agents that moved on.
 _STALENESS = 0.25
 # At most this share of the engine's time goes to evaluating the model: after an evaluation that
-# took d seconds on the runtime's clock, the next waits d / _EVALUATION_SHARE if that is longer
-# than ``refresh_interval``, but never longer than _STALENESS allows (sessions that call fast keep
-# a fresh model whatever it costs), and a fact still applies at once. It binds only with hundreds
-# of agents (an evaluation of 24 agents and 100 sessions takes ~0.6 ms, of 256 agents ~3-7 ms); on
-# a simulated clock (a replay) every evaluation is free.
+# took d seconds on the runtime's clock, the next waits at least d / _EVALUATION_SHARE unless a
+# fact changed (or ``refresh_interval`` is 0: every step). It binds only with hundreds of agents
+# (an evaluation of 24 agents and 100 sessions takes ~0.6 ms, of 256 agents ~3-7 ms); on a
+# simulated clock (a replay) every evaluation is free.
 _EVALUATION_SHARE = 0.02
 
 
@@ -336,15 +335,14 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             queue.set_group_scores(self._scorer, changed_partitions=changed)
 
     def _refresh_interval(self) -> float:
-        """``refresh_interval`` (or the last evaluation's cost over ``_EVALUATION_SHARE``, when that
-        is longer), or ``_STALENESS`` of the learned median gap when that is shorter; 0 stays 0."""
+        """``refresh_interval``, or ``_STALENESS`` of the learned median gap when that is shorter, but
+        at least the last evaluation's cost over ``_EVALUATION_SHARE``; 0 (every step) stays 0."""
         interval = self.config.refresh_interval
         if interval <= 0:
             return 0.0
-        interval = max(interval, self._evaluation_cost / _EVALUATION_SHARE)
         if self._gaps is not None and self.timing.gaps:
             interval = min(interval, _STALENESS * self._gaps.median_gap)
-        return interval
+        return max(interval, self._evaluation_cost / _EVALUATION_SHARE)
 
     def _evaluate(self, now: float) -> ReuseTable:
         chain = self.predictor.chain()
