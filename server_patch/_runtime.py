@@ -64,12 +64,6 @@ _FULL_EVERY = 4
 # learned median gap between a session's requests: when sessions call faster than the interval (a
 # fast engine, short answers, tool loops), a model a few requests old scores agents that moved on.
 _STALENESS = 0.25
-# At most this share of the engine's time goes to evaluating the model: after an evaluation that
-# took d seconds on the runtime's clock, the next waits at least d / _EVALUATION_SHARE unless a
-# fact changed (or ``refresh_interval`` is 0: every step). It binds only with hundreds of agents
-# (an evaluation of 24 agents and 100 sessions takes ~0.6 ms, of 256 agents ~3-7 ms); on a
-# simulated clock (a replay) every evaluation is free.
-_EVALUATION_SHARE = 0.02
 
 
 def _session_of(group: Hashable) -> str | None:
@@ -122,7 +116,6 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
-        self._evaluation_cost = 0.0  # clock seconds the last evaluation took
         self._scored_policy: tuple[str, int] | None = None
         self._scored_table: ReuseTable | None = None  # the table whose scores the queues hold
         self._passage: Any = None
@@ -307,7 +300,6 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         if waited < self._refresh_interval() and not facts_changed:
             return  # a fact (an ended session) applies at once; learned values can wait a step or two
         self.table = table = self._evaluate(now)
-        self._evaluation_cost = self.clock() - now
         for session in table.dead:
             # only the timing forgets it (its history drops to the floor, its length is learned, and
             # taken back if it returns); the learner keeps its lineage: a session that was merely
@@ -335,14 +327,11 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             queue.set_group_scores(self._scorer, changed_partitions=changed)
 
     def _refresh_interval(self) -> float:
-        """``refresh_interval``, or ``_STALENESS`` of the learned median gap when that is shorter, but
-        at least the last evaluation's cost over ``_EVALUATION_SHARE``; 0 (every step) stays 0."""
+        """``refresh_interval``, or ``_STALENESS`` of the learned median gap when that is shorter."""
         interval = self.config.refresh_interval
-        if interval <= 0:
-            return 0.0
         if self._gaps is not None and self.timing.gaps:
             interval = min(interval, _STALENESS * self._gaps.median_gap)
-        return max(interval, self._evaluation_cost / _EVALUATION_SHARE)
+        return interval
 
     def _evaluate(self, now: float) -> ReuseTable:
         chain = self.predictor.chain()

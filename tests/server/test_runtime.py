@@ -153,32 +153,6 @@ def test_sessions_calling_faster_than_the_refresh_interval_keep_their_anchors(ga
     assert runtime.stats()["evictions"]["anchor"] == 0
 
 
-def test_an_evaluation_that_takes_long_spaces_out_the_next_ones():
-    """However many agents, evaluating the model takes at most 2% of the engine's time: after an
-    evaluation that took 10 ms of the clock the next waits 0.5 s, not the 0.1 s refresh interval;
-    a fact (an ended session) still applies at once."""
-    clock = [0.0]
-    kv = manager(NUM_BLOCKS)
-    runtime = AgentKVRuntime(RuntimeConfig(), clock=lambda: clock[0])
-    runtime.install(kv)
-    evaluate, evaluated = runtime._evaluate, []
-
-    def slow_evaluate(now: float):
-        evaluated.append(now)
-        clock[0] += 0.01
-        return evaluate(now)
-
-    runtime._evaluate = slow_evaluate  # type: ignore[method-assign]
-    for _, _, tokens, tag in pipeline_sessions(4):
-        run(kv, runtime, request(tokens, tag))
-        clock[0] += 0.1
-    assert len(evaluated) == 4  # 16 calls over 1.6 s: one evaluation per 0.51 s
-    assert min(b - a for a, b in itertools.pairwise(evaluated)) >= 0.5
-    runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": "s3"}]})
-    runtime.refresh()
-    assert len(evaluated) == 5 and evaluated[-1] == clock[0] - 0.01
-
-
 @pytest.mark.parametrize("mode", ["disabled", "untagged"])
 def test_lru_equivalence_when_disabled_or_without_metadata(mode):
     vanilla_kv = manager(NUM_BLOCKS)
