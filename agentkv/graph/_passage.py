@@ -20,6 +20,8 @@ def first_passage_steps(matrix: np.ndarray, max_steps: int, *, tolerance: float)
 
     K = max_steps, or the first step at which no first visit is more likely than ``tolerance``.
     Recursion on all targets at once: F_1 = P, F_k[i, a] = sum_{j != a} P[i, j] F_{k-1}[j, a].
+    The table is stored by origin (one start's K rows in one block, what its readers take), and
+    returned as a (K, i, a) view of that storage: ``by_origin`` of it copies nothing.
     """
     n = matrix.shape[0]
     if n == 0:
@@ -31,21 +33,14 @@ def first_passage_steps(matrix: np.ndarray, max_steps: int, *, tolerance: float)
         out.append(current)
         if float(current.max()) < tolerance:
             break
-    return np.clip(np.asarray(out), 0.0, 1.0)
-
-
-_last: list[tuple[np.ndarray, np.ndarray]] = []  # (the passage table, by_origin of it)
+    table = np.stack(out, axis=1)
+    np.clip(table, 0.0, 1.0, out=table)
+    return table.transpose(1, 0, 2)
 
 
 def by_origin(passage: np.ndarray) -> np.ndarray:
     """``passage`` (K, i, a) as a contiguous (i, K, a) array: one start's rows in one block.
 
-    The last result is kept (the caller evaluates the same table many times until it is rebuilt;
-    a table is never modified once built).
+    A table from ``first_passage_steps`` is already stored so: its view is returned as it is.
     """
-    last = _last[-1] if _last else None  # one read: another thread may replace it
-    if last is not None and last[0] is passage:
-        return last[1]
-    transposed = np.ascontiguousarray(passage.transpose(1, 0, 2))
-    _last[:] = [(passage, transposed)]
-    return transposed
+    return np.ascontiguousarray(passage.transpose(1, 0, 2))

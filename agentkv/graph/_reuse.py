@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._passage import first_passage_steps
+from ._passage import by_origin, first_passage_steps
 from ._predictor import ChainModel
 from ._session_rates import SURE as _SURE
 from ._session_rates import session_rates
@@ -195,7 +195,7 @@ class ReuseTable:
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
         session_logs = self._session_quantized  # read per group: a refresh re-scores few of them
-        dispatched_logs = self._dispatched_quantized
+        dispatched_logs: dict[int, np.ndarray] = {}  # per dispatching agent, computed when first read
         session_agents: list[int] = self.session_agents.tolist()
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
         columns: dict[frozenset[str], tuple[int, ...]] = {}
@@ -223,7 +223,10 @@ class ReuseTable:
                     own = max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR)
                 if current is not None and (agent := current(session)) is not None and (
                         at := index.get(agent)) is not None and (row is None or at != session_agents[row]):
-                    moved = max((dispatched_logs.item(at, i) for i in found), default=_LOG_FLOOR)
+                    moved_logs = dispatched_logs.get(at)
+                    if moved_logs is None:
+                        moved_logs = dispatched_logs[at] = self._dispatched_quantized(at)
+                    moved = max((moved_logs.item(i) for i in found), default=_LOG_FLOOR)
                     return moved if row is None else min(moved, own)  # type: ignore[no-any-return]
                 return own  # type: ignore[no-any-return]
             if kind is Anchor:
@@ -246,10 +249,10 @@ class ReuseTable:
         """The quantized log rates of ``session_rate``: what a history group scores."""
         return _quantized(np.log(self.session_rate + _FLOOR))
 
-    @functools.cached_property
-    def _dispatched_quantized(self) -> np.ndarray:
-        """What the history of a session that just dispatched agents[d] scores, under its anchor."""
-        return _quantized(np.log(np.minimum(self.dispatched_rate, self.anchor_rate[None, :]) + _FLOOR))
+    def _dispatched_quantized(self, dispatched: int) -> np.ndarray:
+        """What the history of a session that just dispatched agents[dispatched] scores, under its anchor
+        (per row: with many agents the whole table costs more than the few rows a refresh reads)."""
+        return _quantized(np.log(np.minimum(self.dispatched_rate[dispatched], self.anchor_rate) + _FLOOR))
 
     def changed_sessions(self, before: ReuseTable) -> set[str] | None:
         """The sessions whose history groups may score otherwise under this table than under
@@ -403,8 +406,8 @@ def score_reuse(
         entry = chain.entry
         first = np.empty((steps, n))
         first[0] = entry
-        np.subtract(entry @ passage[:-1], entry[None, :] * np.diagonal(passage[:-1], axis1=1, axis2=2),
-                    out=first[1:])
+        from_entry = (entry @ by_origin(passage).reshape(n, -1)).reshape(steps, n)  # one pass over the table
+        np.subtract(from_entry[:-1], entry[None, :] * np.diagonal(passage[:-1], axis1=1, axis2=2), out=first[1:])
         if hazard.any():  # ... made while the new session still runs
             first = first * np.cumprod(np.concatenate([[1.0], 1.0 - hazard[np.minimum(np.arange(1, steps),
                                                                                       len(hazard)) - 1]]))[:, None]

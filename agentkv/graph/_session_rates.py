@@ -20,6 +20,21 @@ def rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
     return -np.expm1(-resolution / time) / resolution
 
 
+def _over_steps(weights: np.ndarray, table: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """out[s] = sum over k of weights[k, s] * table[rows[s], k, :], ``table`` by origin (i, K, a).
+
+    A run of rows that is every start in order (one session per agent: the rows of a session just
+    dispatched) is read in place, not copied: at many agents the copy would cost more than the sum.
+    """
+    n = len(table)
+    split = len(rows) - n if len(rows) >= n and np.array_equal(rows[len(rows) - n:], np.arange(n)) else len(rows)
+    out = np.empty((len(rows), table.shape[2]))
+    np.einsum("sk,skn->sn", weights[:, :split].T, table.take(rows[:split], axis=0), out=out[:split])
+    if split < len(rows):
+        np.einsum("sk,skn->sn", weights[:, split:].T, table, out=out[split:])
+    return out
+
+
 def session_rates(chain: ChainModel, gaps: GapTable, live: LiveSessions, chain_rows: list[int], *, now: float,
                   continuation: Mapping[str, float], interposed: np.ndarray | None, hazard: np.ndarray,
                   passage: np.ndarray, resolution: float, median_gap: float, ahead: np.ndarray,
@@ -68,8 +83,7 @@ def session_rates(chain: ChainModel, gaps: GapTable, live: LiveSessions, chain_r
         np.cumprod(1.0 - hazard[after], axis=0, out=alive[1:])
         weights = weights * alive
     weights = weights / np.maximum(row_sums, 1e-12)[None, :]
-    # sum over k of weights[k, s] * passage[k, rows[s], :], read from one block per start
-    session_rate = np.einsum("sk,skn->sn", weights.T, by_origin(passage).take(rows, axis=0))
+    session_rate = _over_steps(weights, by_origin(passage), rows)
     session_rate[np.arange(known), rows] += in_tool * rate_after(tool_soon, resolution)
     if interposed is not None and len(interposed) == n:
         session_rate += (in_handoff * rate_after(handoff_soon, resolution)
