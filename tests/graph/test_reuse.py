@@ -21,6 +21,8 @@ from agentkv.graph import (
     recency_scorer,
     score_reuse,
 )
+from agentkv.graph._passage import by_origin
+from agentkv.graph._session_rates import _over_steps
 
 A, B, C = 0, 1, 2
 a, b = 0.3, 0.6
@@ -44,6 +46,22 @@ def test_first_passage_steps_stop_once_no_first_visit_is_likely():
     assert len(steps) == 5  # step 5 visits nothing for the first time
     assert steps[3].diagonal() == pytest.approx(np.ones(4))
     assert len(first_passage_steps(ring, 24, tolerance=0.0)) == 24
+
+
+@pytest.mark.parametrize("rows", [[2, 0, 2], [1, 0, 1, 2, 3], [0, 1, 2, 3], [3, 3, 0, 1, 2, 3]])
+def test_a_session_reads_the_passage_rows_of_its_agent_weighted_by_step(rows):
+    # the rows of every agent in order (a session per agent) are read in place, the others copied
+    rng = np.random.default_rng(len(rows))
+    table = by_origin(first_passage_steps(rng.random((4, 4)) / 4, 5, tolerance=0.0))
+    weights = rng.random((5, len(rows)))
+    expected = np.array([sum(weights[k, s] * table[row, k] for k in range(5)) for s, row in enumerate(rows)])
+    assert np.allclose(_over_steps(weights, table, np.array(rows)), expected, rtol=1e-12, atol=0)
+
+
+def test_the_first_passage_table_is_stored_by_origin():
+    passage = first_passage_steps(np.full((3, 3), 0.3), 4, tolerance=0.0)
+    assert passage.shape == (4, 3, 3)
+    assert np.shares_memory(by_origin(passage), passage)  # no copy per evaluation
 
 
 def _learned(edges: dict[tuple[str, str], int]) -> TransitionLearner:
