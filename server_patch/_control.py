@@ -7,6 +7,7 @@ serves requests from a daemon thread, the middleware asks with a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-__all__ = ["ControlServer", "ControlUnavailable", "ask", "ask_blocking", "control_endpoint"]
+__all__ = ["ControlServer", "ControlUnavailable", "ask", "ask_blocking", "control_endpoint", "remove_socket_file"]
 
 logger = logging.getLogger("agentkv.server")
 
@@ -92,6 +93,7 @@ class ControlServer:
                 socket.send(json.dumps(reply).encode())
         finally:
             socket.close()
+            remove_socket_file(self.endpoint)  # libzmq leaves it: one stale file per server run otherwise
 
     def _report(self, exc: Exception) -> None:
         """A traceback for the first failure of each kind, then only a count (no log flood)."""
@@ -103,6 +105,13 @@ class ControlServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
+
+
+def remove_socket_file(endpoint: str) -> None:
+    """Delete an ipc endpoint's socket file (libzmq leaves it when the bound socket closes)."""
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            os.unlink(endpoint.removeprefix("ipc://"))
 
 
 def _answered(endpoint: str) -> bool:

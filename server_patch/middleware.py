@@ -44,7 +44,7 @@ from agentkv.protocol import (
 
 from ._answers import AnswerWatch
 from ._config import recognition_on
-from ._control import ControlUnavailable, ask, ask_blocking, control_endpoint
+from ._control import ControlUnavailable, ask, ask_blocking, control_endpoint, remove_socket_file
 from ._guard import ApiKeyGuard, BodyError, parse_json
 from ._metrics import render_metrics
 
@@ -321,7 +321,8 @@ class AgentKVMiddleware:
         On SIGINT/SIGTERM vLLM calls ``engine_client.shutdown`` first, and its process manager
         kills the EngineCore right after its SIGTERM, too early for a save there. An instance
         wrapper (as for the KV cache manager) puts the save first; the EngineCore's periodic
-        save (AGENTKV_SNAPSHOT_INTERVAL) covers any way around it.
+        save (AGENTKV_SNAPSHOT_INTERVAL) covers any way around it. Once the engine is down the
+        wrapper deletes the control socket's file, which the killed EngineCore leaves in /tmp.
         """
         engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
         shutdown = getattr(engine, "shutdown", None)
@@ -338,7 +339,10 @@ class AgentKVMiddleware:
                         logger.info("agentkv: learned state saved before shutdown")
                 except ControlUnavailable as exc:
                     logger.warning("agentkv: could not save learned state at shutdown: %s", exc)
-            return shutdown(*args, **kwargs)
+            try:
+                return shutdown(*args, **kwargs)
+            finally:  # the EngineCore, killed before its own clean-up, cannot delete it
+                remove_socket_file(self.endpoint)
 
         engine.shutdown = saving_shutdown
 

@@ -237,12 +237,14 @@ def test_a_second_engine_cannot_take_over_the_control_socket_silently(tmp_path):
         assert asyncio.run(ask(endpoint, {"op": "stats"})) == {"engine": 1}
     finally:
         first.close()
+    assert not (tmp_path / "c.ipc").exists()  # a closed server takes its socket file along
     (tmp_path / "c.ipc").touch()  # a socket file nobody answers on (a crashed engine's) is taken over
     second = ControlServer(endpoint, lambda request: {"engine": 2})
     try:
         assert asyncio.run(ask(endpoint, {"op": "stats"})) == {"engine": 2}
     finally:
         second.close()
+    assert not (tmp_path / "c.ipc").exists()
 
 
 def test_peer_export_refuses_loose_types():

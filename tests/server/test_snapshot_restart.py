@@ -3,7 +3,8 @@
 One snapshot file, three consecutive servers: each learns a new pipeline and is stopped one way
 (SIGINT or SIGTERM to its pid, as Ctrl-C or ``kill`` does; SIGKILL to the whole group after one
 snapshot interval); the next one must start knowing every pipeline learned so far, and after
-the SIGKILL the file must hold all three.
+the SIGKILL the file must hold all three. A server that shut down (SIGINT, SIGTERM) leaves no
+control socket file behind.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def _wait_exit(server: VLLMServer, timeout: float = 90.0) -> None:
 
 @pytest.mark.timeout(2400)  # three server starts, minutes each on a busy 2-core machine
 def test_learned_state_survives_sigint_sigterm_and_sigkill(tiny_model_dir: Path, tmp_path: Path):
-    snapshot = tmp_path / "state.json"
+    snapshot, control = tmp_path / "state.json", tmp_path / "control.ipc"
     spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
-                      env={"AGENTKV_SNAPSHOT": str(snapshot), "AGENTKV_SNAPSHOT_INTERVAL": str(INTERVAL)})
+                      env={"AGENTKV_SNAPSHOT": str(snapshot), "AGENTKV_SNAPSHOT_INTERVAL": str(INTERVAL),
+                           "AGENTKV_CONTROL": f"ipc://{control}"})
     pipelines = [("plan", "code", "test"), ("ask", "search", "answer"), ("draft", "edit", "publish")]
     stops = [
         ("SIGINT", lambda s: os.kill(s.pid, signal.SIGINT)),
@@ -69,10 +71,13 @@ def test_learned_state_survives_sigint_sigterm_and_sigkill(tiny_model_dir: Path,
             transitions = _transitions(server)
             for known in pipelines[:number]:
                 _assert_knows(transitions, known)  # restored from the snapshot the last stop left
+            assert control.exists()
             _learn(server, pipeline)
             stop(server)
             _wait_exit(server)
         assert snapshot.exists(), f"no snapshot after {name}"
+        # a server that could shut down takes its control socket file along (none piles up in /tmp)
+        assert control.exists() == (name == "SIGKILL"), name
     # the restore path is proven above; a fourth start would only read the same file
     learner, _ = load_snapshot(snapshot)
     for pipeline in pipelines:
