@@ -50,18 +50,18 @@ import numpy as np
 __all__ = ["Recognition", "RecognizeConfig", "Recognizer", "chunk_chain"]
 
 _MIX = 0x9E3779B1  # Knuth's multiplicative hash: spreads token ids before the boundary test
-_MAX_CHILDREN = 64  # children kept per tree node for the frequency test (at least 1 / min_share)
+_MAX_CHILDREN = 256  # children kept per tree node for the frequency test (at least 1 / min_share)
 
 
 @dataclass(frozen=True)
 class RecognizeConfig:
-    """Caps and thresholds of recognition (defaults fit a few dozen agents, thousands of sessions)."""
+    """Caps and thresholds of recognition (defaults fit agents down to 0.5% of the calls, thousands of sessions)."""
 
     max_nodes: int = 20_000  # prefix-tree nodes (one per distinct leading block)
     max_depth: int = 128  # leading blocks of a request entered in the tree
     max_sessions: int = 4096
     min_count: int = 3  # requests through a block before it can be an agent's anchor
-    min_share: float = 0.02  # ... and this share of its parent's requests
+    min_share: float = 0.005  # ... and this share of its parent's requests
     chunk: int = 8  # mean history chunk length in tokens (a power of two)
     max_history_tokens: int = 1024  # history tokens chunked per request
     resplit_every: int = 32  # requests between recomputations of the preamble
@@ -262,9 +262,10 @@ class Recognizer:
     def preamble_blocks(self) -> int:
         return self._split.depth + 1
 
-    def _identity(self, path: list[_Node]) -> _Node | None:
+    def _identity(self, path: list[_Node], named: bool = False) -> _Node | None:
         """The request's anchor block: its first block after the deepest split on its path into
-        anchor-like children, if frequent. The first split ends the preamble every agent shares;
+        anchor-like children, if frequent (``named``: the client named the agent, so a rarely
+        called one counts too). The first split ends the preamble every agent shares;
         a deeper one ends a preamble only some agents share (a team's), so agents behind the
         same team text stay apart. Below an agent's anchor the children are session histories
         (chains, not anchor-like), which ends the walk."""
@@ -273,7 +274,8 @@ class Recognizer:
             return None
         node = path[depth]
         floor = max(self.config.min_count, self.config.min_share * self._split.count)
-        if node.count < floor:
+        # a named agent's rare block counts once the preamble is known (before, it may be the preamble's)
+        if node.count < floor and not (named and len(self._branches(self._split)) >= 2):
             return None
         for here, below in itertools.pairwise(path[depth:]):
             branches = self._branches(here)
@@ -322,7 +324,7 @@ class Recognizer:
         (call once per request, in arrival order)."""
         self._learn_tagged()
         path = self._insert(block_hashes, tokens, block_size)
-        identity = self._identity(path)
+        identity = self._identity(path, named=agent is not None)
         if identity is None:
             self.unrecognized += 1
             self.recent.append((request_id, None, session_id, len(tokens)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -103,6 +104,7 @@ def test_cluster_up_and_down_from_the_command_line(tiny_model_dir: Path) -> None
         for replica in recorded["replicas"]:
             with pytest.raises(httpx.HTTPError):
                 httpx.get(replica + "/health", trust_env=False, timeout=2)
+        shutil.rmtree(recorded["logs"])  # kept for a user (and for a failing run), not after every passing one
     finally:
         for pgid in recorded.get("pgids", []):
             _kill_group(pgid)

@@ -67,3 +67,22 @@ def test_an_untagged_request_handed_an_answer_joins_its_session(own_agentkv_serv
         quoting = client.get(STATS_PATH).json()["recognition"]["quoting_requests"]
     (_, planner, planner_session, _), (_, coder, coder_session, _) = recent[-2:]
     assert len(answer) == 96 and planner != coder and coder_session == planner_session and quoting >= 1
+
+
+def test_a_call_that_names_its_agent_alone_joins_its_session_from_the_agents_second_call(own_agentkv_server):
+    """Tagged with ``X-AgentKV-Agent`` only (no session): the agent is the client's, the session is
+    recognized, even for an agent called too seldom to count as an anchor of its own yet."""
+    anchors = {a: _tokens("team", BLOCK) + _tokens(f"named-anchor-{a}", 4 * BLOCK) for a in (*AGENTS, "reviewer")}
+    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        for s in range(4):
+            history = _tokens(f"named-task-{s}", 3 * BLOCK)
+            route = [*AGENTS, "reviewer"] if s in (1, 3) else list(AGENTS)  # the reviewer: twice in all
+            for agent in route:
+                body = {"model": "tiny", "prompt": anchors[agent] + history, "max_tokens": 1}
+                client.post("/v1/completions", json=body, headers={"X-AgentKV-Agent": agent}).raise_for_status()
+                history = history + _tokens(f"named-out-{s}-{agent}", BLOCK)
+        recent = client.get("/agentkv/v1/recognized").json()["recognized"]
+    # the last conversation (the first ones split while recognition learns where the anchors end)
+    last = [(agent, session) for _, agent, session, _ in recent[-3:]]
+    assert [agent for agent, _ in last] == ["planner", "coder", "reviewer"]
+    assert len({session for _, session in last}) == 1  # the reviewer's second call joined the conversation
