@@ -181,8 +181,8 @@ class Recognizer:
         self.unrecognized = 0
         self.followed = 0  # requests that continued an earlier request's session
         self.quoting = 0  # ... found by an earlier answer they quote
-        # chunk of an answer -> (its session, its agent): where a prompt that quotes it belongs
-        self.quoted: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        # chunk of an answer -> its session: where a prompt that quotes it belongs
+        self.quoted: OrderedDict[int, str] = OrderedDict()
 
     # -- the prefix tree -------------------------------------------------------------------
 
@@ -339,9 +339,7 @@ class Recognizer:
             start = self._history_start(path, identity, block_size)
             chunks = _chunks(tokens, start, self.config.max_history_tokens, self.config.chunk)
             chain = _chained(chunks)
-            session, state, quoted = self._continued(chain, chunks)
-            if quoted is not None:
-                state.agent = quoted  # the agent whose answer this request was handed
+            session, state = self._continued(chain, chunks)
             if state.head is not None and self.heads.get(state.head) == session:
                 del self.heads[state.head]
             state.head = chain[-1] if chain else None
@@ -367,36 +365,38 @@ class Recognizer:
             self.sessions.move_to_end(session)
         return state
 
-    def _continued(self, chain: list[int], chunks: Sequence[bytes]) -> tuple[str, _Session, str | None]:
+    def _continued(self, chain: list[int], chunks: Sequence[bytes]) -> tuple[str, _Session]:
         """The session whose latest request's history this one starts with (the longest), else the
-        session of an earlier answer this one quotes (and that answer's agent), or a new one."""
+        session whose earlier answers this one quotes most, or a new one. The parent is the
+        session's latest agent either way: a prompt may quote several earlier answers, and the one
+        quoted most (a long one, from turns ago) need not be the latest."""
         for key in reversed(chain):
             session = self.heads.get(key)
             if session is not None and session in self.sessions:
                 self.followed += 1
-                return session, self._session(session), None
+                return session, self._session(session)
         if self.quoted:
-            votes: dict[tuple[str, str], int] = {}
+            votes: dict[str, int] = {}
             for data in chunks:
                 found = self.quoted.get(hash(data))
-                if found is not None and found[0] in self.sessions:
+                if found is not None and found in self.sessions:
                     votes[found] = votes.get(found, 0) + 1
             if votes:
-                (session, agent), count = max(votes.items(), key=lambda item: item[1])
+                session, count = max(votes.items(), key=lambda item: item[1])
                 if count >= self.config.min_quoted_chunks:
                     self.quoting += 1
-                    return session, self._session(session), agent
+                    return session, self._session(session)
         self._session_ids += 1
         session = f"fs:{self._session_ids:x}"
-        return session, self._session(session), None
+        return session, self._session(session)
 
-    def observe_answer(self, session: str, agent: str, output_tokens: Sequence[int]) -> None:
-        """A recognized request of ``agent`` in ``session`` answered ``output_tokens``: a later
-        prompt that quotes them (a hand-off: the next agent is given this answer) joins the session."""
+    def observe_answer(self, session: str, output_tokens: Sequence[int]) -> None:
+        """A recognized request in ``session`` answered ``output_tokens``: a later prompt that
+        quotes them (a hand-off: the next agent is given this answer) joins the session."""
         quoted, cap = self.quoted, self.config.max_quoted_chunks
         for data in _chunks(output_tokens, 0, self.config.max_history_tokens, self.config.chunk):
             key = hash(data)
-            quoted[key] = (session, agent)
+            quoted[key] = session
             quoted.move_to_end(key)
         while len(quoted) > cap:
             quoted.popitem(last=False)

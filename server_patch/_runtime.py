@@ -247,7 +247,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             self.timing.finished(tag.session)
         quoting = self._quoting.pop(request.request_id, None)
         if quoting is not None and self.recognizer is not None and request.num_output_tokens:
-            self.recognizer.observe_answer(quoting.session, quoting.agent, request.output_token_ids)
+            self.recognizer.observe_answer(quoting.session, request.output_token_ids)
 
     # -- scheduler events ----------------------------------------------------------
 

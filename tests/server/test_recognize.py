@@ -228,3 +228,23 @@ def test_a_named_agent_joins_its_session_however_rarely_it_is_called():
     assert all(found.agent == "gamma" for _, found in rare)
     after = [r for _, s, r in work.seen if s == "s39"]
     assert len({r.session for r in after}) == 1  # the conversation goes on in the session it joined
+
+
+def test_a_prompt_that_quotes_earlier_answers_joins_their_session_after_its_latest_agent():
+    # a hand-off that gives the next agent answers rather than the conversation: it joins the session
+    # of the answers it quotes, and its parent is the agent that ran last there, not the one quoted most
+    work = Workload({a: text(f"anchor-{a}", 128) for a in ("a", "b", "c")})
+    _rounds(work, range(5), ["a", "b", "c"])  # recognition learns the three anchors
+    recognizer, task = work.recognizer, text("q-task", 60)
+    a_answer, b_answer, notes = text("q-a-answer", 300), text("q-b-answer", 40), text("q-c-notes", 30)
+
+    def recognize(n: int, prompt: list[int]) -> Recognition:
+        return recognizer.recognize(f"q{n}", block_hashes(prompt), prompt, BS)
+
+    a = recognize(0, work.anchors["a"] + task)
+    recognizer.observe_answer(a.session, a_answer)
+    b = recognize(1, work.anchors["b"] + task + a_answer)  # continues a's history
+    recognizer.observe_answer(b.session, b_answer)
+    c = recognize(2, work.anchors["c"] + notes + a_answer + b_answer)  # quotes a's answer most, b's last
+    assert a.session == b.session == c.session
+    assert (b.parent, c.parent) == (a.agent, b.agent) and len({a.agent, b.agent, c.agent}) == 3
