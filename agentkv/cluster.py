@@ -152,7 +152,8 @@ class Cluster:
                 self.processes.append(replica.launch())
             for index, replica in enumerate(replicas):
                 self._wait_replica(index, replica, timeout)
-            self.processes.append(self._router(config.policy, self.router_port, config.router_args).start(timeout))
+            self.router_port = self._start_router(config.policy, config.router_args, timeout, self.router_port,
+                                                  fixed=config.router_port is not None)
         except BaseException:
             self.stop()
             raise
@@ -181,9 +182,23 @@ class Cluster:
         replicas; its URL. Start it before traffic: a ``kv_aware`` router only knows blocks stored
         after it subscribed."""
         self.config.check_policy(policy)
-        port = free_port()
+        return f"http://{HOST}:{self._start_router(policy, args, timeout, free_port(), fixed=False)}"
+
+    def _start_router(self, policy: str, args: Sequence[str], timeout: float, port: int, *, fixed: bool) -> int:
+        """Start a router on ``port`` and return the port it serves on: unless the port is ``fixed``
+        (the user chose it), a launch that lost a port between choosing and binding it is retried on
+        a fresh one, at most ``_PORT_RETRIES`` times (its Prometheus port is fresh on every launch)."""
+        for _ in range(_PORT_RETRIES):
+            try:
+                self.processes.append(self._router(policy, port, args).start(timeout))
+                return port
+            except RuntimeError as exc:
+                if fixed or "Address already in use" not in str(exc):
+                    raise
+            logger.warning("agentkv cluster: the %s router lost a port to another process; relaunching", policy)
+            port = free_port()
         self.processes.append(self._router(policy, port, args).start(timeout))
-        return f"http://{HOST}:{port}"
+        return port
 
     def stop(self) -> None:
         while self.processes:

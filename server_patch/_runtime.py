@@ -111,7 +111,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._answer_sessions: OrderedDict[str, str] = OrderedDict()
-        self._quoting: OrderedDict[str, AgentTag] = OrderedDict()
+        self._quoting: OrderedDict[str, str] = OrderedDict()
         self.queue_lengths: Callable[[], tuple[int, int]] | None = None  # set by the scheduler
         self._saved_version: tuple[int, int] | None = None
         self._scored_version: tuple[int, int, int] | None = None
@@ -245,9 +245,9 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         tag = self._tags.get(request.request_id)
         if tag is not None and tag.session is not None and not tag.warmup:
             self.timing.finished(tag.session)
-        quoting = self._quoting.pop(request.request_id, None)
-        if quoting is not None and self.recognizer is not None and request.num_output_tokens:
-            self.recognizer.observe_answer(quoting.session, request.output_token_ids)
+        session = self._quoting.pop(request.request_id, None)
+        if session is not None and self.recognizer is not None and request.num_output_tokens:
+            self.recognizer.observe_answer(session, request.output_token_ids)
 
     # -- scheduler events ----------------------------------------------------------
 

@@ -32,7 +32,7 @@ class RequestTagging:
     block_size: int
     _tags: OrderedDict[str, AgentTag | None]
     _answer_sessions: OrderedDict[str, str]  # answer key -> recognized session
-    _quoting: OrderedDict[str, AgentTag]  # recognized requests not yet freed
+    _quoting: OrderedDict[str, str]  # recognized requests not yet freed -> their session
 
     def tag_of(self, request: Request) -> AgentTag | None:
         """The request's agentkv tag (parsed once per request; malformed ones counted)."""
@@ -56,7 +56,7 @@ class RequestTagging:
                 self._answer_sessions[key] = tag.session
             while len(self._answer_sessions) > _MAX_ANSWER_KEYS:
                 self._answer_sessions.popitem(last=False)
-            self._quoting[request_id] = tag  # its answer is read when it is freed
+            self._quoting[request_id] = tag.session  # its answer is read when it is freed
             while len(self._quoting) > _MAX_ANSWER_KEYS:
                 self._quoting.popitem(last=False)
         return tag

@@ -107,3 +107,37 @@ def test_a_relaunched_replica_keeps_its_place(monkeypatch, tmp_path):
     monkeypatch.setattr(running, "_router", lambda *args, **kwargs: _FlakyReplica(9, 0, ""))
     running.start()
     assert _STARTS == [0, 1, 0, 9] and [p.index for p in running.processes] == [0, 1, 9]
+
+
+ROUTER_LOST_PORT = "Error: Address already in use (os error 98)"  # vllm-router's log (a CI run)
+
+
+@pytest.mark.parametrize(("fixed", "failures", "message", "starts"), [
+    (False, 1, ROUTER_LOST_PORT, 2),  # relaunched once on a fresh port, then healthy
+    (False, 3, ROUTER_LOST_PORT, 3),  # retries are bounded
+    (True, 1, ROUTER_LOST_PORT, 1),  # the user's --port is never swapped for another
+    (False, 1, "Error: no worker became healthy", 1),  # any other failure is raised at once
+])
+def test_a_router_that_lost_a_port_is_relaunched_on_a_fresh_one(monkeypatch, tmp_path, fixed, failures, message,
+                                                                 starts):
+    _STARTS.clear()
+    ports: list[int] = []
+    running = Cluster(ClusterConfig("model", replicas=1, policy="round_robin", log_dir=tmp_path,
+                                    router_port=9999 if fixed else None))
+    first = running.router_port
+    monkeypatch.setattr(running, "_replica", lambda index: _FlakyReplica(index, 0, ""))
+
+    def router(policy, port, args=()):
+        ports.append(port)
+        return _FlakyReplica(9, failures, message)
+
+    monkeypatch.setattr(running, "_router", router)
+    if starts == 2:
+        running.start()
+        assert _STARTS == [0, 9, 9] and [p.index for p in running.processes] == [0, 9]
+        assert ports[0] == first and running.router_port == ports[1] != first
+        assert running.url == f"http://127.0.0.1:{ports[1]}"
+    else:
+        with pytest.raises(RuntimeError, match="during start-up"):
+            running.start()
+        assert _STARTS.count(9) == starts and running.processes == []
