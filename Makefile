@@ -33,7 +33,7 @@ test-vllm033: $(STAMP)
 	$(VENV_VLLM033)/bin/python -m pytest -m "not server" $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check agentkv server_patch tests
+	$(PY) -m ruff check agentkv server_patch tests benchmarks examples
 
 bench-micro: $(STAMP)
 	$(PY) -m agentkv bench micro

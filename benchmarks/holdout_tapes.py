@@ -111,14 +111,25 @@ class Session:
         self.step += 1
         self.current = agent
 
-    def call(self, segments: list, out: int, gap: float, *, t: float | None = None, advance: bool = True) -> tuple[str, int]:
+    def call(
+        self, segments: list, out: int, gap: float, *, t: float | None = None, advance: bool = True
+    ) -> tuple[str, int]:
         """One request of the current dispatch; returns (output key, output tokens)."""
         segments = [[k, int(n)] for k, n in segments if int(n) >= 1]
         rid = f"{self.sid}.{self.n}"
         self.n += 1
         at = self.t if t is None else t
-        line = {"id": rid, "t": at, "session": self.sid, "agent": self.current, "parent": self.parent,
-                "step": self.step, "segments": segments, "output_tokens": int(out), "tool_gap": round(gap, 6)}
+        line = {
+            "id": rid,
+            "t": at,
+            "session": self.sid,
+            "agent": self.current,
+            "parent": self.parent,
+            "step": self.step,
+            "segments": segments,
+            "output_tokens": int(out),
+            "tool_gap": round(gap, 6),
+        }
         self.tape.add(line)
         self.last = line
         prompt = sum(n for _, n in segments)
@@ -144,6 +155,7 @@ def graph_of(nodes: list[str], edges: set[tuple[str, str]], entry: list[str]) ->
 # a. groupchat: AutoGen-style group chat, every speaker sees the whole shared conversation
 # ---------------------------------------------------------------------------------------------
 
+
 def groupchat(seed: int, out: Path) -> None:
     rng = random.Random(f"groupchat/{seed}")
     agents = ["gc.planner", "gc.coder", "gc.critic", "gc.tester", "gc.writer"]
@@ -159,18 +171,28 @@ def groupchat(seed: int, out: Path) -> None:
     noise = 0.2
     tool_p = {"gc.planner": 0.0, "gc.coder": 0.35, "gc.critic": 0.0, "gc.tester": 0.6, "gc.writer": 0.1}
     n_sessions, rate = 46, 0.07
-    tb = TapeBuilder("groupchat", seed, {"sessions": n_sessions, "rate": rate, "anchors": anchor, "noise": noise,
-                                         "turns": [6, 20], "arrivals": "poisson"})
+    tb = TapeBuilder(
+        "groupchat",
+        seed,
+        {
+            "sessions": n_sessions,
+            "rate": rate,
+            "anchors": anchor,
+            "noise": noise,
+            "turns": [6, 20],
+            "arrivals": "poisson",
+        },
+    )
     for i, start in enumerate(poisson_starts(rng, n_sessions, rate)):
         s = tb.session(f"gc-{seed}-{i:03d}", start)
         convo = [[f"{s.sid}/task", rng.randint(100, 600)]]
         speaker = "gc.planner"
-        for turn in range(rng.randint(6, 20)):
+        for _turn in range(rng.randint(6, 20)):
             s.dispatch(speaker)
             o = rng.randint(40, 400)
             tool = rng.random() < tool_p[speaker]
             gap = loguniform(rng, 0.5, 15) if tool else 0.3
-            key, n = s.call([[f"anchor/{speaker}", anchor[speaker]]] + convo, o, gap)
+            key, n = s.call([[f"anchor/{speaker}", anchor[speaker]], *convo], o, gap)
             convo.append([key, n])
             if tool:  # the tool result (code execution output) is posted to the chat
                 convo.append([f"{key}/tool", rng.randint(50, 800)])
@@ -185,18 +207,31 @@ def groupchat(seed: int, out: Path) -> None:
 # b. common-preamble: 8 agents share anchor/common (1500) + own anchor + own per-session thread
 # ---------------------------------------------------------------------------------------------
 
+
 def common_preamble(seed: int, out: Path) -> None:
     rng = random.Random(f"common-preamble/{seed}")
     router = "cp.router"
     specs = ["cp.billing", "cp.tech", "cp.account", "cp.legal", "cp.sales", "cp.shipping", "cp.returns"]
-    agents = [router] + specs
+    agents = [router, *specs]
     anchor = {a: rng.randint(200, 800) for a in agents}
     popularity = {a: w for a, w in zip(specs, [5, 6, 3, 1, 2, 3, 2], strict=True)}
     tool_p = {a: rng.uniform(0.2, 0.7) for a in specs}
     n_sessions, rate = 48, 0.06
-    tb = TapeBuilder("common-preamble", seed, {"sessions": n_sessions, "rate": rate, "anchors": anchor,
-                                               "common": 1500, "user_turns": [3, 8], "arrivals": "poisson"})
-    edges = {(router, a) for a in specs} | {(a, router) for a in specs} | {(a, b) for a in specs for b in specs if a != b}
+    tb = TapeBuilder(
+        "common-preamble",
+        seed,
+        {
+            "sessions": n_sessions,
+            "rate": rate,
+            "anchors": anchor,
+            "common": 1500,
+            "user_turns": [3, 8],
+            "arrivals": "poisson",
+        },
+    )
+    edges = (
+        {(router, a) for a in specs} | {(a, router) for a in specs} | {(a, b) for a in specs for b in specs if a != b}
+    )
     for i, start in enumerate(poisson_starts(rng, n_sessions, rate)):
         s = tb.session(f"cp-{seed}-{i:03d}", start)
         threads: dict[str, list] = {a: [] for a in agents}
@@ -239,6 +274,7 @@ def common_preamble(seed: int, out: Path) -> None:
 # c. big-teams: 3 teams x (lead + 8 workers) + director; long sessions mostly inside one team
 # ---------------------------------------------------------------------------------------------
 
+
 def big_teams(seed: int, out: Path) -> None:
     rng = random.Random(f"big-teams/{seed}")
     teams = ["alpha", "beta", "gamma"]
@@ -262,15 +298,25 @@ def big_teams(seed: int, out: Path) -> None:
         out = [["anchor/org", 300]]
         if tm:
             out.append([f"anchor/team/{tm}", team_pre[tm]])
-        return out + [[f"anchor/{a}", anchor[a]]]
+        return [*out, [f"anchor/{a}", anchor[a]]]
 
     edges: set[tuple[str, str]] = set()
     for tm in teams:
         edges |= {(director, lead[tm]), (lead[tm], director)}
         for w in workers[tm]:
             edges |= {(lead[tm], w), (w, lead[tm])} | {(w, v) for v in workers[tm] if v != w}
-    tb = TapeBuilder("big-teams", seed, {"sessions": n_sessions, "rate": rate, "anchors": anchor, "team_preamble": team_pre,
-                                         "dispatches": [30, 60], "arrivals": "poisson"})
+    tb = TapeBuilder(
+        "big-teams",
+        seed,
+        {
+            "sessions": n_sessions,
+            "rate": rate,
+            "anchors": anchor,
+            "team_preamble": team_pre,
+            "dispatches": [30, 60],
+            "arrivals": "poisson",
+        },
+    )
     for i, start in enumerate(poisson_starts(rng, n_sessions, rate)):
         s = tb.session(f"bt-{seed}-{i:03d}", start)
         threads: dict[str, list] = {a: [] for a in agents}
@@ -316,11 +362,12 @@ def big_teams(seed: int, out: Path) -> None:
 # d. pareto-tools: Pareto tool gaps, tool loops of 1-6 calls, bursty arrivals
 # ---------------------------------------------------------------------------------------------
 
+
 def pareto_tools(seed: int, out: Path) -> None:
     rng = random.Random(f"pareto-tools/{seed}")
     orch = "pt.orchestrator"
     specs = ["pt.search", "pt.browser", "pt.coder", "pt.executor", "pt.analyst"]
-    agents = [orch] + specs
+    agents = [orch, *specs]
     anchor = {a: int(loguniform(rng, 500, 3000)) for a in agents}
     trans = {
         orch: {"pt.search": 4, "pt.browser": 1, "pt.coder": 4, "pt.executor": 1, "pt.analyst": 2},
@@ -337,9 +384,18 @@ def pareto_tools(seed: int, out: Path) -> None:
         return min(cap, xm * rng.paretovariate(alpha))
 
     n_sessions = 44
-    tb = TapeBuilder("pareto-tools", seed, {"sessions": n_sessions, "anchors": anchor, "gap": {"pareto_alpha": alpha, "xm": xm, "cap": cap},
-                                            "dispatches": [4, 10], "tool_loop": [1, 6],
-                                            "arrivals": "bursty: bursts at 1/75 s of 3-8 sessions within 6 s"})
+    tb = TapeBuilder(
+        "pareto-tools",
+        seed,
+        {
+            "sessions": n_sessions,
+            "anchors": anchor,
+            "gap": {"pareto_alpha": alpha, "xm": xm, "cap": cap},
+            "dispatches": [4, 10],
+            "tool_loop": [1, 6],
+            "arrivals": "bursty: bursts at 1/75 s of 3-8 sessions within 6 s",
+        },
+    )
     edges = {(a, b) for a, row in trans.items() for b in row}
     for i, start in enumerate(bursty_starts(rng, n_sessions, 1 / 75, (3, 8), 6.0)):
         s = tb.session(f"pt-{seed}-{i:03d}", start)
@@ -348,7 +404,7 @@ def pareto_tools(seed: int, out: Path) -> None:
         for a in agents:
             threads[a].append(task)
         agent, handoff = orch, None
-        for d in range(rng.randint(4, 10)):
+        for _d in range(rng.randint(4, 10)):
             s.dispatch(agent)
             if handoff is not None:
                 threads[agent].append(list(handoff))
@@ -371,14 +427,26 @@ def pareto_tools(seed: int, out: Path) -> None:
 # e. think-time: chat assistant, long user think times, half the sessions abandoned
 # ---------------------------------------------------------------------------------------------
 
+
 def think_time(seed: int, out: Path) -> None:
     rng = random.Random(f"think-time/{seed}")
     main, helpers = "tt.assistant", ["tt.coder", "tt.search"]
-    agents = [main] + helpers
+    agents = [main, *helpers]
     anchor = {main: rng.randint(1500, 3000), "tt.coder": rng.randint(600, 1500), "tt.search": rng.randint(300, 900)}
     n_sessions, rate = 56, 0.05
-    tb = TapeBuilder("think-time", seed, {"sessions": n_sessions, "rate": rate, "anchors": anchor, "think_s": [10, 240],
-                                          "turns": [3, 12], "abandon": 0.5, "arrivals": "poisson"})
+    tb = TapeBuilder(
+        "think-time",
+        seed,
+        {
+            "sessions": n_sessions,
+            "rate": rate,
+            "anchors": anchor,
+            "think_s": [10, 240],
+            "turns": [3, 12],
+            "abandon": 0.5,
+            "arrivals": "poisson",
+        },
+    )
     edges = {(main, h) for h in helpers} | {(h, main) for h in helpers} | {(main, main)}
     for i, start in enumerate(poisson_starts(rng, n_sessions, rate)):
         s = tb.session(f"tt-{seed}-{i:03d}", start)
@@ -393,15 +461,22 @@ def think_time(seed: int, out: Path) -> None:
             last = u == turns - 1
             s.dispatch(main)
             helper = rng.random() < 0.3
-            key, n = s.call([[f"anchor/{main}", anchor[main]]] + convo, rng.randint(20, 120) if helper else rng.randint(60, 400),
-                            0.3 if helper else (0.0 if last else think))
+            key, n = s.call(
+                [[f"anchor/{main}", anchor[main]], *convo],
+                rng.randint(20, 120) if helper else rng.randint(60, 400),
+                0.3 if helper else (0.0 if last else think),
+            )
             if helper:
                 h = rng.choice(helpers)
                 s.dispatch(h)
-                hkey, hn = s.call([[f"anchor/{h}", anchor[h]], [key, n]], rng.randint(40, 250), loguniform(rng, 0.5, 8))
+                hkey, _hn = s.call(
+                    [[f"anchor/{h}", anchor[h]], [key, n]], rng.randint(40, 250), loguniform(rng, 0.5, 8)
+                )
                 s.dispatch(main)
-                convo_h = convo + [[key, n], [f"{hkey}/result", rng.randint(100, 800)]]
-                key, n = s.call([[f"anchor/{main}", anchor[main]]] + convo_h, rng.randint(60, 400), 0.0 if last else think)
+                convo_h = [*convo, [key, n], [f"{hkey}/result", rng.randint(100, 800)]]
+                key, n = s.call(
+                    [[f"anchor/{main}", anchor[main]], *convo_h], rng.randint(60, 400), 0.0 if last else think
+                )
                 convo = convo_h
             convo.append([key, n])
         if abandoned:
@@ -413,25 +488,36 @@ def think_time(seed: int, out: Path) -> None:
 # f. fanout: planner -> 3-6 parallel workers (same step) -> reducer, 1-3 rounds
 # ---------------------------------------------------------------------------------------------
 
+
 def fanout(seed: int, out: Path) -> None:
     rng = random.Random(f"fanout/{seed}")
     planner, reducer = "fo.planner", "fo.reducer"
     workers = [f"fo.worker{i}" for i in range(6)]
-    agents = [planner] + workers + [reducer]
+    agents = [planner, *workers, reducer]
     anchor = {planner: rng.randint(1000, 2000), reducer: rng.randint(600, 1200)}
     for w in workers:
         anchor[w] = rng.randint(400, 1500)
     n_sessions, rate = 50, 0.07
     edges = {(planner, w) for w in workers} | {(w, reducer) for w in workers} | {(reducer, planner)}
-    tb = TapeBuilder("fanout", seed, {"sessions": n_sessions, "rate": rate, "anchors": anchor, "fanout": [3, 6],
-                                      "rounds": [1, 3], "arrivals": "poisson"})
+    tb = TapeBuilder(
+        "fanout",
+        seed,
+        {
+            "sessions": n_sessions,
+            "rate": rate,
+            "anchors": anchor,
+            "fanout": [3, 6],
+            "rounds": [1, 3],
+            "arrivals": "poisson",
+        },
+    )
     for i, start in enumerate(poisson_starts(rng, n_sessions, rate)):
         s = tb.session(f"fo-{seed}-{i:03d}", start)
         task = [f"{s.sid}/task", rng.randint(150, 700)]
         pthread = [task]
-        for rnd in range(rng.randint(1, 3)):
+        for _rnd in range(rng.randint(1, 3)):
             s.dispatch(planner)
-            pkey, pn = s.call([[f"anchor/{planner}", anchor[planner]]] + pthread, rng.randint(100, 400), 0.0)
+            pkey, pn = s.call([[f"anchor/{planner}", anchor[planner]], *pthread], rng.randint(100, 400), 0.0)
             pthread.append([pkey, pn])
             k = rng.randint(3, 6)
             chosen = rng.sample(workers, k)
@@ -450,7 +536,9 @@ def fanout(seed: int, out: Path) -> None:
                 outs.append([key, n])
             s.t = max(ends) + 0.3
             s.dispatch(reducer)  # parent: the last worker of the fan-out (the previous request)
-            rkey, rn = s.call([[f"anchor/{reducer}", anchor[reducer]], task, [pkey, pn]] + outs, rng.randint(100, 400), 0.3)
+            rkey, rn = s.call(
+                [[f"anchor/{reducer}", anchor[reducer]], task, [pkey, pn], *outs], rng.randint(100, 400), 0.3
+            )
             pthread.append([rkey, rn])
     tb.write(out / f"fanout-h{seed}.jsonl", graph_of(agents, edges, [planner]))
 
@@ -458,6 +546,7 @@ def fanout(seed: int, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # g. rag-long: small anchors, 2000-5000 retrieved tokens per turn, documents shared across sessions
 # ---------------------------------------------------------------------------------------------
+
 
 def rag_long(seed: int, out: Path) -> None:
     rng = random.Random(f"rag-long/{seed}")
@@ -468,11 +557,29 @@ def rag_long(seed: int, out: Path) -> None:
     doc_len = {d: rng.randint(400, 1500) for d in range(n_docs)}
     zipf = [1.0 / (d + 1) ** 1.1 for d in range(n_docs)]
     n_sessions, rate = 36, 0.045
-    edges = {(rewriter, answer), (answer, verify), (verify, rewriter), (answer, rewriter), (answer, summ),
-             (verify, summ), (verify, answer)}
-    tb = TapeBuilder("rag-long", seed, {"sessions": n_sessions, "rate": rate, "anchors": anchor, "docs": n_docs,
-                                        "doc_zipf": 1.1, "retrieved_per_turn": [2000, 5000], "turns": [2, 5],
-                                        "arrivals": "poisson"})
+    edges = {
+        (rewriter, answer),
+        (answer, verify),
+        (verify, rewriter),
+        (answer, rewriter),
+        (answer, summ),
+        (verify, summ),
+        (verify, answer),
+    }
+    tb = TapeBuilder(
+        "rag-long",
+        seed,
+        {
+            "sessions": n_sessions,
+            "rate": rate,
+            "anchors": anchor,
+            "docs": n_docs,
+            "doc_zipf": 1.1,
+            "retrieved_per_turn": [2000, 5000],
+            "turns": [2, 5],
+            "arrivals": "poisson",
+        },
+    )
 
     def retrieve(budget: int) -> list:
         docs, total = [], 0
@@ -495,29 +602,44 @@ def rag_long(seed: int, out: Path) -> None:
             q = [f"{s.sid}/q{u}", rng.randint(50, 300)]
             qa.append(q)
             s.dispatch(rewriter)
-            rkey, rn = s.call([[f"anchor/{rewriter}", anchor[rewriter]]] + qa, rng.randint(20, 80), loguniform(rng, 0.3, 2.5))
+            _rkey, _rn = s.call(
+                [[f"anchor/{rewriter}", anchor[rewriter]], *qa], rng.randint(20, 80), loguniform(rng, 0.3, 2.5)
+            )
             docs = retrieve(rng.randint(2000, 5000))
             ctx = ctx + docs + [q]
             s.dispatch(answer)
             last = u == turns - 1
             do_verify = rng.random() < 0.5
             think = loguniform(rng, 8, 90)
-            akey, an = s.call([[f"anchor/{answer}", anchor[answer]]] + ctx, rng.randint(120, 400),
-                              0.3 if (do_verify or last) else think)
+            akey, an = s.call(
+                [[f"anchor/{answer}", anchor[answer]], *ctx],
+                rng.randint(120, 400),
+                0.3 if (do_verify or last) else think,
+            )
             if do_verify:
                 s.dispatch(verify)
-                vkey, vn = s.call([[f"anchor/{verify}", anchor[verify]]] + docs + [q, [akey, an]], rng.randint(20, 100),
-                                  0.3 if last else think)
+                _vkey, _vn = s.call(
+                    [[f"anchor/{verify}", anchor[verify]], *docs, q, [akey, an]],
+                    rng.randint(20, 100),
+                    0.3 if last else think,
+                )
             ctx.append([akey, an])
             qa.append([akey, an])
         if rng.random() < 0.6:
             s.dispatch(summ)
-            s.call([[f"anchor/{summ}", anchor[summ]]] + qa, rng.randint(80, 300), 0.0)
+            s.call([[f"anchor/{summ}", anchor[summ]], *qa], rng.randint(80, 300), 0.0)
     tb.write(out / f"rag-long-h{seed}.jsonl", graph_of(agents, edges, [rewriter]))
 
 
-GENERATORS = {"groupchat": groupchat, "common-preamble": common_preamble, "big-teams": big_teams,
-              "pareto-tools": pareto_tools, "think-time": think_time, "fanout": fanout, "rag-long": rag_long}
+GENERATORS = {
+    "groupchat": groupchat,
+    "common-preamble": common_preamble,
+    "big-teams": big_teams,
+    "pareto-tools": pareto_tools,
+    "think-time": think_time,
+    "fanout": fanout,
+    "rag-long": rag_long,
+}
 
 
 def main() -> int:
@@ -527,17 +649,20 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     seeds = [int(x) for x in args.seeds.split(",")]
-    for name, gen in GENERATORS.items():
+    for _name, gen in GENERATORS.items():
         for seed in seeds:
             gen(seed, out)
     from agentkv.bench.tape.format import read_tape  # validate what was written
+
     for path in sorted(out.glob("*.jsonl")):
         tape = read_tape(path)
         check(tape)
         s = tape.summary()
-        print(f"{tape.name:22s} req={s['requests']:4d} sess={s['sessions']:3d} disp={s['dispatches']:4d} "
-              f"anchor={s['anchor_share']:.2f} R={s['predictability']:.2f} maxreq={s['max_request_tokens']:6d} "
-              f"dur={s['duration_s']:7.1f} aband={s['abandoned_sessions']} prompt_tok={s['prompt_tokens']}")
+        print(
+            f"{tape.name:22s} req={s['requests']:4d} sess={s['sessions']:3d} disp={s['dispatches']:4d} "
+            f"anchor={s['anchor_share']:.2f} R={s['predictability']:.2f} maxreq={s['max_request_tokens']:6d} "
+            f"dur={s['duration_s']:7.1f} aband={s['abandoned_sessions']} prompt_tok={s['prompt_tokens']}"
+        )
     return 0
 
 
