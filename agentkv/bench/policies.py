@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
-from agentkv.graph import TransitionLearner
+from agentkv.graph import Prediction, TransitionLearner
 from agentkv.warmup import JobState, TargetState, TokenBucket, WarmupPolicy
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -287,8 +287,11 @@ class AgentKV(Policy):
     def _warm(self, sim: Simulator, agent: str) -> str:
         """Decide with the coordinator's policy right after ``agent``'s turn (never late: the
         session's next request has not arrived yet) and issue the warm-up; the reason."""
+        return self._warm_to(sim, agent, self.runtime.predictor.predict(agent))
+
+    def _warm_to(self, sim: Simulator, agent: str, prediction: Prediction | None) -> str:
+        """The decision and warm-up for ``prediction`` of the agent after ``agent``; the reason."""
         learner = self.runtime.learner
-        prediction = self.runtime.predictor.predict(agent)
         if prediction is None:
             job = JobState(None)
         else:
