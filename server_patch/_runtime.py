@@ -420,17 +420,21 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         """(leading blocks of ``agent``'s learned anchor cached now, learned anchor length in blocks).
 
         A prefix hit stops at the first missing block, so only the cached *leading* blocks count.
+        While no anchor length is learned (0), the leading blocks counted are those of the agent's
+        latest session's first call, which begins with the anchor: a caller that knows the
+        anchor's length (a warm-up coordinator) can still tell whether it is cached.
         """
         hashes = self.anchors.anchor_hashes(agent)
+        learned = len(hashes) if self.anchors.length(agent) else 0
         pool = self.pool
         if pool is None:
-            return 0, len(hashes)
+            return 0, learned
         resident = 0
         for block_hash in hashes:
             if pool.get_cached_block(block_hash, [self._residency_group]) is None:  # type: ignore[arg-type]
                 break
             resident += 1
-        return resident, len(hashes)
+        return resident, learned
 
     def _count_lru_evictions(self, queue: Any) -> None:
         """Disabled mode: vLLM's own free queue keeps its exact LRU order; the cached blocks it

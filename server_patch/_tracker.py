@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 from typing import Protocol
 
 from agentkv.graph import UNTAGGED, Anchor, Group, History
@@ -257,19 +258,17 @@ class AnchorLengths:
         return self._length.get(agent, 0)
 
     def recent(self, count: int) -> list[str]:
-        """The ``count`` agents observed most recently that have a learned anchor, newest first."""
-        out: list[str] = []
-        for agent in reversed(self._last):
-            if self._length.get(agent, 0) > 0:
-                out.append(agent)
-                if len(out) == count:
-                    break
-        return out
+        """The ``count`` agents observed most recently, newest first."""
+        return list(islice(reversed(self._last), count))
 
     def anchor_hashes(self, agent: str) -> Sequence[object]:
-        """The block hashes of ``agent``'s anchor (its latest session's first ``length`` blocks)."""
+        """The block hashes of ``agent``'s anchor: its latest session's first ``length`` blocks, or
+        while no length is learned all of that first call's (the anchor is a prefix of them)."""
         last = self._last.get(agent)
-        return () if last is None else last[1][: self.length(agent)]
+        if last is None:
+            return ()
+        length = self.length(agent)
+        return last[1][:length] if length else last[1]
 
     def as_dict(self) -> dict[str, int]:
         return dict(self._length)

@@ -33,7 +33,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import Prediction, TransitionLearner
-from agentkv.warmup import JobState, TargetState, TokenBucket, WarmupPolicy
+from agentkv.warmup import JobState, TargetState, TokenBucket, WarmupPolicy, anchor_resident
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 from .simulator import Policy, ScoredPolicy, Simulator
@@ -300,11 +300,9 @@ class AgentKV(Policy):
 
         def target() -> TargetState:
             assert prediction is not None
-            segments = self.anchors.get(prediction.agent, ())
-            resident, length = self.runtime.anchor_residency(prediction.agent)
-            return TargetState(sum(n for _, n in segments) // sim.plan.block_size,
-                               None if length == 0 else resident >= length, float(sim.waiting()), None,
-                               sim.pool.get_num_free_blocks())
+            blocks = sum(n for _, n in self.anchors.get(prediction.agent, ())) // sim.plan.block_size
+            residency = anchor_resident(*self.runtime.anchor_residency(prediction.agent), blocks)
+            return TargetState(blocks, residency, float(sim.waiting()), None, sim.pool.get_num_free_blocks())
 
         decision = self.warmup_policy.decide(job, target, self.bucket.take)
         self.fallbacks.update(decision.fallbacks)

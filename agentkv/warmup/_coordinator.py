@@ -291,7 +291,8 @@ class WarmupCoordinator:
             self._ensure_block_size(server)
             anchor = self._anchor(target, server)
             view = server.view()
-            return TargetState(blocks_to_warm(anchor, view, target), view.resident(target), view.waiting,
+            known = anchor.blocks if anchor is not None and anchor.tokens else None
+            return TargetState(blocks_to_warm(anchor, view, target), view.resident(target, known), view.waiting,
                                view.running, view.free_blocks)
 
         decision = self.policy.decide(state, target_state, self._take)
@@ -374,7 +375,7 @@ class WarmupCoordinator:
             # vLLM recomputes the last block of a fully cached prompt: it reports length - block_size
             if cached and length and cached >= length - anchor.block_size:
                 self.counts["already_warm"] += 1
-            server.mark_resident(agent)
+            server.mark_resident(agent, length // anchor.block_size if anchor.block_size else 0)
             if job.session is not None and not job.manual:
                 self._predicted[job.session] = agent
             self._ledger.sent(agent, length, done, {

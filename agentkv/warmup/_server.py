@@ -14,8 +14,8 @@ from agentkv.protocol import STATS_PATH, VIEW_PATH, AgentTag
 
 from ._anchors import Anchor
 
-__all__ = ["NoTokenizer", "ServerView", "WarmupServer", "blocks_to_warm", "parse_server_view", "view_of",
-           "warmup_request"]
+__all__ = ["NoTokenizer", "ServerView", "WarmupServer", "anchor_resident", "blocks_to_warm", "parse_server_view",
+           "view_of", "warmup_request"]
 
 
 @dataclass(slots=True)
@@ -30,9 +30,23 @@ class ServerView:
     free_blocks: int | None = None
     anchors: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def resident(self, agent: str) -> bool | None:
-        resident, length = self.anchors.get(agent, (0, 0))
-        return None if length <= 0 else resident >= length
+    def resident(self, agent: str, anchor_blocks: int | None = None) -> bool | None:
+        """Whether ``agent``'s anchor is cached (see ``anchor_resident``); None for an agent not listed."""
+        if agent not in self.anchors:
+            return None
+        return anchor_resident(*self.anchors[agent], anchor_blocks)
+
+
+def anchor_resident(resident: int, learned: int, anchor_blocks: int | None) -> bool | None:
+    """Whether an anchor is cached, from the server's (leading blocks cached, learned anchor length):
+    against the learned length; while none is learned, ``resident`` counts the leading blocks of
+    the agent's latest first call, checked against ``anchor_blocks`` (the anchor the caller holds,
+    when its token length is known); None when neither length is known."""
+    if learned > 0:
+        return resident >= learned
+    if anchor_blocks:
+        return resident >= anchor_blocks
+    return None
 
 
 def parse_server_view(text: str) -> ServerView:
@@ -184,11 +198,11 @@ class WarmupServer:
         self._view = (now, view)
         return view
 
-    def mark_resident(self, agent: str) -> None:
-        """Until the next ``/metrics`` read, count ``agent``'s learned anchor as resident (just warmed)."""
+    def mark_resident(self, agent: str, blocks: int) -> None:
+        """Until the next view, count ``agent``'s anchor (``blocks`` long, or as learned) as resident (just warmed)."""
         if self._view is not None and agent in self._view[1].anchors:
             learned = self._view[1].anchors[agent][1]
-            self._view[1].anchors[agent] = (learned, learned)
+            self._view[1].anchors[agent] = (max(learned, blocks), learned)
 
     def post(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[int | None, int | None]:
         """Send a warm-up; its ``(prompt_tokens, cached_tokens)``. Raises on any failure (the caller counts it)."""

@@ -126,3 +126,28 @@ def test_warmup_makes_a_cold_anchor_hit(own_agentkv_server) -> None:
     assert server_side["skipped"].get("resident", 0) >= 1
     assert "residency_unknown" not in server_side["fallbacks"]  # the server knew the coder's anchor by then
     assert fetch_stats(base)["warmups"]["useful"] - server_after["useful"] == 1
+
+
+def test_an_anchor_the_server_has_not_learned_yet_is_warmed_only_when_evicted(own_agentkv_server) -> None:
+    """The server learns an agent's anchor length from its second session; before that it reports the
+    cached leading blocks of the agent's latest first call, and the coordinator checks them against
+    the anchor it holds. In session 2 the coder (called once, in session 1) is predicted: resident,
+    it is not warmed (it was warmed blind before, to find every block cached); evicted (session 1's
+    retired blocks go first when this module's other test filled the pool), it is, and the warm-up
+    computes the anchor. Either way the decision knew the residency."""
+    base = own_agentkv_server.base_url
+    run = uuid.uuid4().hex[:8]
+    app = App(base, run)
+    app.coordinator = WarmupCoordinator(base, learner=TransitionLearner())
+    with app.coordinator as coordinator:
+        app.session(f"u-{run}-1")
+        assert fetch_stats(base)["agents"][app.coder]["anchor_length_blocks"] == 0  # one session: not learned
+        app.session(f"u-{run}-2")
+        stats = coordinator.stats()
+    assert "residency_unknown" not in stats["fallbacks"]
+    if stats["sent"]:
+        [warm] = stats["recent"]
+        assert warm["cached_tokens"] < warm["anchor_tokens"] and stats["useful"] == 1  # it was cold
+    else:
+        assert stats["skipped"].get("resident", 0) == 1
+    assert app.hits["coder"][-1] >= 10 * BLOCK  # the coder's call hit its anchor either way

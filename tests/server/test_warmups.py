@@ -60,6 +60,22 @@ def test_residency_follows_the_cache() -> None:
     jsonschema.validate(stats, STATS_SCHEMA)
 
 
+def test_before_its_anchor_is_learned_residency_counts_the_latest_first_call() -> None:
+    """One session: no anchor length yet, so the cached leading blocks of the agent's latest
+    session's first call are reported (the coordinator compares them with the anchor it holds)."""
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=Clock())
+    runtime.install(kv)
+    run(kv, runtime, request(anchor("coder") + history("s0"), AgentTag("coder", "s0")))
+    run(kv, runtime, request(anchor("coder") + history("s0", 4), AgentTag("coder", "s0")))  # not a first call
+    assert runtime.anchor_residency("coder") == (ANCHOR_BLOCKS + 2, 0)
+    assert runtime.view()["anchors"]["coder"] == [ANCHOR_BLOCKS + 2, 0]
+    evict_everything(kv, runtime)
+    assert runtime.anchor_residency("coder") == (0, 0)
+    run(kv, runtime, request(anchor("coder") + history("s1"), AgentTag("coder", "s1")))  # a second session
+    assert runtime.anchor_residency("coder") == (ANCHOR_BLOCKS, ANCHOR_BLOCKS)
+
+
 def test_warmup_then_the_agents_call_hitting_it_is_useful() -> None:
     runtime, kv = setup()
     evict_everything(kv, runtime)

@@ -7,8 +7,8 @@ import pytest
 
 from agentkv.client import ErrorCounter
 from agentkv.protocol import VIEW_PATH
-from agentkv.warmup import WarmupConfig, WarmupCoordinator
-from agentkv.warmup._server import WarmupServer, parse_server_view
+from agentkv.warmup import WarmupConfig, WarmupCoordinator, anchor_resident
+from agentkv.warmup._server import WarmupServer, parse_server_view, view_of
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -37,6 +37,17 @@ def test_metrics_are_summed_over_engines_and_labels_unescaped():
     assert view.resident("planner") is True
     assert view.resident('we"ird\\name') is False
     assert view.resident("unknown") is None
+
+
+def test_an_anchor_not_learned_yet_is_judged_by_the_anchor_the_caller_holds():
+    # [cached leading blocks of the agent's latest first call, 0]: no learned length yet
+    view = view_of({"anchors": {"planner": [4, 4], "coder": [5, 0]}})
+    assert view.resident("coder") is None  # a chat-replay anchor: its length unknown here too
+    assert view.resident("coder", 5) is True and view.resident("coder", 6) is False
+    assert view.resident("planner", 9) is True  # a learned length wins over the caller's guess
+    assert view.resident("unknown", 1) is None
+    assert [anchor_resident(*pair) for pair in [(3, 4, None), (4, 4, None), (0, 0, None), (0, 0, 2), (2, 0, 2)]] \
+        == [False, True, None, False, True]
 
 
 def test_a_vanilla_server_says_nothing_about_anchors_or_room():
