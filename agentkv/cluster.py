@@ -168,7 +168,7 @@ class Cluster:
                 replica.wait_healthy(timeout)
                 return
             except RuntimeError as exc:
-                if attempt == _PORT_RETRIES or "Address already in use" not in str(exc):
+                if attempt == _PORT_RETRIES or not _lost_a_port(exc):
                     raise
             logger.warning("agentkv cluster: replica %d lost a port to another process; relaunching", index)
             slot = self.processes.index(replica)
@@ -193,7 +193,7 @@ class Cluster:
                 self.processes.append(self._router(policy, port, args).start(timeout))
                 return port
             except RuntimeError as exc:
-                if fixed or "Address already in use" not in str(exc):
+                if fixed or not _lost_a_port(exc):
                     raise
             logger.warning("agentkv cluster: the %s router lost a port to another process; relaunching", policy)
             port = free_port()
@@ -209,6 +209,11 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _lost_a_port(exc: RuntimeError) -> bool:
+    """A start-up failure because a port was taken between choosing it and binding it."""
+    return "Address already in use" in str(exc)
 
 
 def _cpu_binding(index: int, replicas: int) -> dict[str, str]:
