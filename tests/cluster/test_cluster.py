@@ -34,6 +34,18 @@ def _stats(cluster: Cluster) -> list[dict]:
     return [httpx.get(url + STATS_PATH, trust_env=False, timeout=10).json() for url in cluster.replica_urls]
 
 
+def _stats_once_synced(cluster: Cluster, agent: str, timeout: float = 30.0) -> list[dict]:
+    """Every replica's stats once all of them hold ``agent``'s row: a pull runs every second,
+    but on a loaded machine one can time out and wait for the next interval."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = _stats(cluster)
+        synced = all(agent in st["transitions"] and st["learner"]["peers"] for st in stats)
+        if synced or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.5)
+
+
 def test_tagged_traffic_reaches_the_replicas_and_learning_is_shared(cluster):
     # agents of this test's own: the module's other tests name "planner" as a parent
     planner, coder = "sync-planner", "sync-coder"
@@ -45,8 +57,7 @@ def test_tagged_traffic_reaches_the_replicas_and_learning_is_shared(cluster):
             for step, agent in enumerate((planner, coder)):
                 tag = AgentTag(agent, f"learn-{s}", "" if step == 0 else planner, step)
                 _complete(client, anchors[agent] + _tokens(f"h-{s}-{step}", 3 * BLOCK), tag)
-    time.sleep(2.5)  # > 2 sync intervals
-    stats = _stats(cluster)
+    stats = _stats_once_synced(cluster, planner)
     assert sum(st["tagged_requests"] for st in stats) - tagged_before == 8
     for st in stats:  # every replica predicts with every replica's counts
         # rows are smoothed over every agent a replica has seen (the module's other tests add two
