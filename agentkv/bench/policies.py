@@ -33,7 +33,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash
 from vllm.v1.request import Request
 
 from agentkv.graph import Prediction, TransitionLearner
-from agentkv.warmup import JobState, TargetState, TokenBucket, WarmupPolicy, anchor_resident
+from agentkv.warmup import JobState, TargetState, TokenBucket, WarmupPolicy, view_of
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 from .simulator import Policy, ScoredPolicy, Simulator
@@ -227,7 +227,8 @@ class AgentKV(Policy):
     each turn, a warm-up request holding only the predicted next agent's anchor
     (max_tokens=1, tagged warmup, no session), decided by the coordinator's own
     ``agentkv.warmup.WarmupPolicy`` (``warmup_policy``, default as the coordinator's) on the
-    runtime's prediction, the runtime's anchor residency, the engine's waiting requests and
+    runtime's prediction, the anchor residency of the runtime's view (what ``GET
+    /agentkv/v1/view`` tells the coordinator), the engine's waiting requests and
     free blocks, and a token bucket of ``max_per_second`` (2/s, burst 2); ``no_room`` also
     when the blocks do not fit without waiting.
     """
@@ -301,8 +302,9 @@ class AgentKV(Policy):
         def target() -> TargetState:
             assert prediction is not None
             blocks = sum(n for _, n in self.anchors.get(prediction.agent, ())) // sim.plan.block_size
-            residency = anchor_resident(*self.runtime.anchor_residency(prediction.agent), blocks)
-            return TargetState(blocks, residency, float(sim.waiting()), None, sim.pool.get_num_free_blocks())
+            view = view_of(self.runtime.view())  # the document GET /agentkv/v1/view serves the coordinator
+            return TargetState(blocks, view.resident(prediction.agent, blocks), float(sim.waiting()), None,
+                               sim.pool.get_num_free_blocks())
 
         decision = self.warmup_policy.decide(job, target, self.bucket.take)
         self.fallbacks.update(decision.fallbacks)

@@ -17,7 +17,7 @@ from ._config import WarmupConfig
 from ._coordinator import WarmupCoordinator
 from ._decision import JobState, TargetState, TokenBucket, WarmupDecision, WarmupPolicy
 from ._lint import Divergence, common_prefix
-from ._server import anchor_resident
+from ._server import view_of
 
 __all__ = [
     "Anchor",
@@ -31,7 +31,7 @@ __all__ = [
     "WarmupCoordinator",
     "WarmupDecision",
     "WarmupPolicy",
-    "anchor_resident",
     "common_prefix",
     "on_response",
+    "view_of",
 ]

@@ -7,8 +7,8 @@ import pytest
 
 from agentkv.client import ErrorCounter
 from agentkv.protocol import VIEW_PATH
-from agentkv.warmup import WarmupConfig, WarmupCoordinator, anchor_resident
-from agentkv.warmup._server import WarmupServer, parse_server_view, view_of
+from agentkv.warmup import WarmupConfig, WarmupCoordinator, view_of
+from agentkv.warmup._server import WarmupServer, anchor_resident, parse_server_view
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
