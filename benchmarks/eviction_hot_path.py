@@ -75,7 +75,7 @@ def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessi
     runtime = None
     if mode != "vanilla":
         runtime = AgentKVRuntime(RuntimeConfig(enabled=mode != "agentkv-disabled", recognize=mode != "agentkv-norecog",
-                                               refresh_interval=refresh_interval))
+                                               refresh_interval=refresh_interval), background=True)  # as served
         runtime.install(kv)
     reqs = requests(num_blocks // blocks + cycles, blocks, agents, sessions)
     allocation = admission = refresh = 0.0
@@ -140,7 +140,7 @@ def parts(num_blocks: int, blocks: int, cycles: int, agents: int, sessions: int,
         # (hundreds of thousands of objects from the imports), several times the path itself
         gc.collect()
         kv = manager(num_blocks)
-        runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=refresh_interval))
+        runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=refresh_interval), background=True)
         runtime.install(kv)
         total = 0.0
         for index, req in enumerate(requests(num_blocks // blocks + cycles, blocks, agents, sessions)):

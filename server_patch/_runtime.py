@@ -25,6 +25,7 @@ from agentkv.graph import (
     GraphFacts,
     Group,
     History,
+    PassageBuilder,
     Predictor,
     ReuseTable,
     SessionTiming,
@@ -80,8 +81,11 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
     start of every scheduling step.
     """
 
-    def __init__(self, config: RuntimeConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock`` (seconds) drives recency and session expiry; replays pass simulated time."""
+    def __init__(self, config: RuntimeConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 background: bool = False) -> None:
+        """``clock`` (seconds) drives recency and session expiry; replays pass simulated time.
+        ``background``: rebuild the chain's first-passage table on a thread (the server: no step
+        waits for it); off, in the step that finds it stale (replays and tests: deterministic)."""
         self.config = config or RuntimeConfig()
         self.clock = clock
         self.epoch = uuid.uuid4().hex  # a restarted replica's exports replace its old ones
@@ -119,6 +123,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self._scored_policy: tuple[str, int] | None = None
         self._scored_table: ReuseTable | None = None  # the table whose scores the queues hold
         self._passage: Any = None
+        self._passages = PassageBuilder(background=background)
         self._gaps: GapTable | None = None
         self._built: dict[str, tuple[object, int, float]] = {}
         self._partial = 0  # evaluations since the last full one
@@ -344,9 +349,16 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         partial = self.table is not None and touched is not None and self._partial + 1 < _FULL_EVERY \
             and now - self._full_at < _FULL_INTERVAL and self._hazard is not None \
             and np.array_equal(hazard, self._hazard)
+        steps, tolerance = config.steps or config.max_steps, 0.0 if config.steps else config.step_tolerance
         if self._passage is None or self._stale("passage", (len(chain.agents), self.facts.version), dispatches, now):
-            self._passage = first_passage_steps(chain.matrix, config.steps or config.max_steps,
-                                                tolerance=0.0 if config.steps else config.step_tolerance)
+            if self._passage is None or self._passage.shape[1] != len(chain.agents):
+                self._passage = first_passage_steps(chain.matrix, steps, tolerance=tolerance)  # none to read
+                partial = False
+            else:  # the current table serves until the new one is built
+                self._passages.submit(chain.matrix, steps, tolerance=tolerance)
+        built = self._passages.take()
+        if built is not None and built.shape[1] == len(chain.agents):
+            self._passage = built
             partial = False
         if self._gaps is None or self._stale("gaps", self.timing.gap_agents, self.timing.gaps, now):
             self._gaps = self.timing.table()

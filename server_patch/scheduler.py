@@ -40,7 +40,7 @@ class _AgentKVMixin:
             # --no-enable-prefix-caching: no block is ever reused, so there is no order to choose
             logger.warning("agentkv: prefix caching is off; eviction stays vLLM's own (nothing is reused)")
             config = dataclasses.replace(config, enabled=False)
-        self.agentkv = AgentKVRuntime(config)
+        self.agentkv = AgentKVRuntime(config, background=True)  # no step waits for a table rebuild
         self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
         # read under the runtime's lock, which every scheduler entry point holds too
         self.agentkv.queue_lengths = lambda: (len(self.waiting), len(self.running))  # type: ignore[attr-defined]

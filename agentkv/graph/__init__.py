@@ -5,7 +5,7 @@ Pure Python + numpy + networkx; shared by the client and the vLLM server extensi
 
 from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
-from ._passage import first_passage_steps, first_passage_within
+from ._passage import PassageBuilder, first_passage_steps, first_passage_within
 from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PeerExport
 from ._predictor import ChainModel, Prediction, Predictor
 from ._reuse import (
@@ -42,6 +42,7 @@ __all__ = [
     "LearnerConfig",
     "LiveSessions",
     "Observation",
+    "PassageBuilder",
     "PeerExport",
     "Prediction",
     "Predictor",

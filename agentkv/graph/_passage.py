@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-__all__ = ["by_origin", "first_passage_steps", "first_passage_within"]
+__all__ = ["PassageBuilder", "by_origin", "first_passage_steps", "first_passage_within"]
 
 
 def first_passage_within(matrix: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,3 +46,51 @@ def by_origin(passage: np.ndarray) -> np.ndarray:
     A table from ``first_passage_steps`` is already stored so: its view is returned as it is.
     """
     return np.ascontiguousarray(passage.transpose(1, 0, 2))
+
+
+class PassageBuilder:
+    """``first_passage_steps`` of the latest chain submitted, built off the caller's thread.
+
+    At hundreds of agents a table takes tens of milliseconds (24 dense matrix products), a stall
+    of the scheduler step that rebuilds it; the caller keeps scoring with its current table and
+    takes the new one when ``take`` returns it. Invariants: ``take`` returns only whole tables,
+    each once, the newest finished; a submit while a build runs replaces the job waiting behind
+    it (at most one waits). One daemon thread, started by the first submit, waits for jobs.
+    ``background=False`` builds in ``submit`` (replays: simulated time must not depend on a
+    thread's speed).
+    """
+
+    def __init__(self, *, background: bool = True) -> None:
+        self.background = background
+        self._ready = threading.Condition()
+        self._job: tuple[np.ndarray, int, float] | None = None
+        self._done: np.ndarray | None = None
+        self._worker: threading.Thread | None = None
+
+    def submit(self, matrix: np.ndarray, max_steps: int, *, tolerance: float) -> None:
+        """Build the table of ``matrix`` (which the caller no longer modifies)."""
+        if not self.background:
+            self._done = first_passage_steps(matrix, max_steps, tolerance=tolerance)
+            return
+        with self._ready:
+            self._job = (matrix, max_steps, tolerance)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="agentkv-passage", daemon=True)
+                self._worker.start()
+            self._ready.notify()
+
+    def take(self) -> np.ndarray | None:
+        """The newest table finished since the last ``take``, or None."""
+        with self._ready:
+            done, self._done = self._done, None
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while self._job is None:
+                    self._ready.wait()
+                (matrix, max_steps, tolerance), self._job = self._job, None
+            table = first_passage_steps(matrix, max_steps, tolerance=tolerance)  # numpy releases the GIL
+            with self._ready:
+                self._done = table

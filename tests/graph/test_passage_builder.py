@@ -1,0 +1,56 @@
+"""PassageBuilder: first-passage tables built off the caller's thread, handed over whole, newest first."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from agentkv.graph import PassageBuilder, first_passage_steps
+
+
+def _chain(n: int, seed: int) -> np.ndarray:
+    rows = np.random.default_rng(seed).random((n, n))
+    return rows / rows.sum(axis=1, keepdims=True)
+
+
+def _wait_take(builder: PassageBuilder, timeout: float = 30.0) -> np.ndarray:
+    deadline = time.monotonic() + timeout
+    while (table := builder.take()) is None:
+        assert time.monotonic() < deadline, "no table was built"
+        time.sleep(0.001)
+    return table
+
+
+def test_a_table_built_in_the_background_is_the_one_built_in_place_and_taken_once():
+    matrix = _chain(32, 0)
+    builder = PassageBuilder()
+    builder.submit(matrix, 24, tolerance=0.002)
+    table = _wait_take(builder)
+    assert builder._worker is not None and builder._worker is not threading.current_thread()
+    np.testing.assert_array_equal(table, first_passage_steps(matrix, 24, tolerance=0.002))
+    assert builder.take() is None  # handed over once
+
+
+def test_the_newest_submit_wins_and_a_table_is_never_partial():
+    builder = PassageBuilder()
+    matrices = [_chain(128, seed) for seed in range(6)]
+    for matrix in matrices:  # faster than the builds: the waiting job is replaced
+        builder.submit(matrix, 24, tolerance=0.0)
+    expected = first_passage_steps(matrices[-1], 24, tolerance=0.0)
+    deadline = time.monotonic() + 30
+    while True:
+        table = _wait_take(builder)
+        assert table.shape == expected.shape  # whole tables only
+        if np.array_equal(table, expected):
+            break
+        assert time.monotonic() < deadline, "the newest submit was never built"
+
+
+def test_without_background_the_table_is_built_in_submit():
+    matrix = _chain(8, 1)
+    builder = PassageBuilder(background=False)
+    builder.submit(matrix, 6, tolerance=0.0)
+    assert builder._worker is None
+    np.testing.assert_array_equal(builder.take(), first_passage_steps(matrix, 6, tolerance=0.0))

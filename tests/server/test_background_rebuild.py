@@ -1,0 +1,51 @@
+"""The server rebuilds the chain's first-passage table off the scheduler's thread (real KVCacheManager)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import server_patch._runtime as runtime_module
+from agentkv.graph import _passage
+from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+
+from .test_runtime import manager, replay
+
+
+def test_a_stale_table_is_rebuilt_on_a_thread_and_then_read(monkeypatch: pytest.MonkeyPatch):
+    builds: list[tuple[str, int]] = []  # (thread, agents) of every table built
+    build = _passage.first_passage_steps
+
+    def recording(matrix, *args, **kwargs):
+        builds.append((threading.current_thread().name, len(matrix)))
+        return build(matrix, *args, **kwargs)
+
+    monkeypatch.setattr(_passage, "first_passage_steps", recording)
+    monkeypatch.setattr(runtime_module, "first_passage_steps", recording)
+    now = [0.0]
+    kv = manager(160)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=lambda: now[0], background=True)
+    runtime.install(kv)
+    for first in range(0, 12, 3):  # 2.5 s between rounds: each finds the table stale
+        replay(kv, runtime, 3, first=first)
+        now[0] += 2.5
+    # a table of another size cannot be read: the step builds one when agents are added, and only then
+    step = threading.current_thread().name
+    sizes = [agents for _, agents in builds]
+    assert [thread for thread, _ in builds] == [
+        step if i == 0 or sizes[i - 1] != agents else "agentkv-passage" for i, agents in enumerate(sizes)]
+    assert sizes[-1] == 4 and [thread for thread, _ in builds].count("agentkv-passage") >= 3, builds
+
+    config = runtime.config.reuse
+    chain = runtime.predictor.chain()
+    expected = build(chain.matrix, config.steps or config.max_steps,
+                     tolerance=0.0 if config.steps else config.step_tolerance)
+    deadline = time.monotonic() + 30
+    while not np.array_equal(runtime._passage, expected):  # the newest table is taken by a later refresh
+        assert time.monotonic() < deadline, "the rebuilt table was never read"
+        now[0] += 2.5
+        time.sleep(0.01)
+        runtime.refresh()
