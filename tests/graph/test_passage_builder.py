@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from agentkv.graph import PassageBuilder, first_passage_steps
 
@@ -24,7 +25,7 @@ def _wait_take(builder: PassageBuilder, timeout: float = 30.0) -> np.ndarray:
 
 
 def test_a_table_built_in_the_background_is_the_one_built_in_place_and_taken_once():
-    matrix = _chain(32, 0)
+    matrix = _chain(PassageBuilder.MIN_AGENTS, 0)
     builder = PassageBuilder()
     builder.submit(matrix, 24, tolerance=0.002)
     table = _wait_take(builder)
@@ -48,9 +49,11 @@ def test_the_newest_submit_wins_and_a_table_is_never_partial():
         assert time.monotonic() < deadline, "the newest submit was never built"
 
 
-def test_without_background_the_table_is_built_in_submit():
-    matrix = _chain(8, 1)
-    builder = PassageBuilder(background=False)
+@pytest.mark.parametrize(("agents", "background"),
+                         [(PassageBuilder.MIN_AGENTS - 1, True), (PassageBuilder.MIN_AGENTS, False)])
+def test_a_small_chain_or_no_background_is_built_in_submit(agents: int, background: bool):
+    matrix = _chain(agents, 1)
+    builder = PassageBuilder(background=background)
     builder.submit(matrix, 6, tolerance=0.0)
     assert builder._worker is None
     np.testing.assert_array_equal(builder.take(), first_passage_steps(matrix, 6, tolerance=0.0))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import server_patch._runtime as runtime_module
-from agentkv.graph import _passage
+from agentkv.graph import PassageBuilder, _passage
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
 from .test_runtime import manager, replay
@@ -25,6 +25,7 @@ def test_a_stale_table_is_rebuilt_on_a_thread_and_then_read(monkeypatch: pytest.
 
     monkeypatch.setattr(_passage, "first_passage_steps", recording)
     monkeypatch.setattr(runtime_module, "first_passage_steps", recording)
+    monkeypatch.setattr(PassageBuilder, "MIN_AGENTS", 2)  # the thread serves chains of 64+ agents: here 4
     now = [0.0]
     kv = manager(160)
     runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=lambda: now[0], background=True)
