@@ -12,8 +12,9 @@ just set); medians over the steps.
 Then what a scheduler step pays at the runtime's default ``AGENTKV_REFRESH_INTERVAL``: engine steps
 of ``--step-ms`` (simulated), each admitting one new request (so the model changes at every
 step), the refresh timed at every step; the mean over the steps amortizes the evaluations. The
-chain's first-passage table is rebuilt as the server does, on a thread (``--rebuild background``:
-its CPU time is not the step's), or in the step that finds it stale (``--rebuild step``).
+chain's first-passage table is rebuilt as the server does (``--rebuild background``: on a thread
+from 64 agents, whose CPU time is not the step's), or always in the step that finds it stale
+(``--rebuild step``, as replays do).
 
     .venv/bin/python benchmarks/refresh_breakdown.py [--agents 24] [--sessions 100] [--steps 1500] [--rate 10]
         [--step-ms 20] [--rebuild background|step]
@@ -71,8 +72,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=10.0, help="requests per (simulated) second")
     parser.add_argument("--step-ms", type=float, default=20.0, help="engine step of the amortized run (simulated)")
     parser.add_argument("--rebuild", choices=("background", "step"), default="background",
-                        help="where the amortized run rebuilds the first-passage table: on a thread, as the "
-                             "server does, or in the step that finds it stale, as replays do")
+                        help="where the amortized run rebuilds the first-passage table: as the server does "
+                             "(on a thread from 64 agents), or always in the step that finds it stale, "
+                             "as replays do")
     args = parser.parse_args()
     full_evaluation(args)
     amortized(args)
