@@ -120,7 +120,7 @@ class RuntimeControl:
     def view(self) -> dict[str, Any]:
         """What a warm-up decision reads (``GET /agentkv/v1/view``): the scheduler's waiting and
         running requests, the free blocks, and ``[resident, learned]`` anchor blocks of the
-        ``_MAX_VIEW_AGENTS`` agents seen most recently. O(their anchor blocks): no stats document."""
+        ``_MAX_VIEW_AGENTS`` agents seen most recently. O(log of their anchor blocks) each: no stats document."""
         waiting, running = self.queue_lengths() if self.queue_lengths is not None else (None, None)
         recent = self.anchors.recent(_MAX_VIEW_AGENTS)
         return {

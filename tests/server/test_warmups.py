@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import jsonschema
 
 from agentkv.protocol import STATS_SCHEMA, AgentTag
 from server_patch._metrics import render_metrics
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
-from .test_runtime import ANCHOR_BLOCKS, BS, anchor, manager, request, run
+from .test_runtime import AGENTS, ANCHOR_BLOCKS, BS, anchor, manager, request, run
 
 NUM_BLOCKS = 40  # 39 usable blocks: one request of 39 blocks evicts every cached block
 
@@ -137,3 +139,28 @@ def test_warmups_do_not_count_as_the_agents_queries() -> None:
     warmup(kv, runtime)
     after = runtime.stats(max_age=0)["agents"]["coder"]
     assert (after["queries"], after["hits"]) == (before["queries"], before["hits"])
+
+
+def test_residency_by_bisection_counts_the_cached_leading_blocks_exactly() -> None:
+    """The bisection ``anchor_residency`` does equals a block-by-block scan of the prefix while
+    random sessions of four agents, with first calls of 1-12 blocks, evict one another."""
+    rng = random.Random(7)
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=Clock())
+    runtime.install(kv)
+    pool = kv.block_pool
+    partial = 0
+    for step in range(300):
+        agent = rng.choice(AGENTS)
+        first_call = list(range(0, rng.randint(1, 12) * BS)) if rng.random() < 0.5 else anchor(agent)
+        tokens = [10_000_000 * (AGENTS.index(agent) + 1) + t for t in first_call] + history(f"s{step}")
+        run(kv, runtime, request(tokens, AgentTag(agent, f"s{step}")))
+        for name in AGENTS:
+            scanned = 0
+            for block_hash in runtime.anchors.anchor_hashes(name):
+                if pool.get_cached_block(block_hash, [0]) is None:
+                    break
+                scanned += 1
+            assert runtime.anchor_residency(name)[0] == scanned
+            partial += 0 < scanned < len(runtime.anchors.anchor_hashes(name))
+    assert partial > 0  # some prefixes were cut part of the way, not only whole or gone
