@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,8 +114,10 @@ class ServerProcess:
     * A failed start raises :class:`RuntimeError` with the tail of the log and leaves
       nothing running. The log file is kept after stop (see :attr:`log_path`).
     * Not restartable: one instance runs at most one server.
-    * The child's environment: the caller's, :data:`LAUNCH_ENV`, ``base_env`` (default
-      :attr:`default_env`), then the spec's ``env``; later ones win.
+    * The child's environment: the caller's, :data:`LAUNCH_ENV`, ``TMPDIR`` (a directory of its
+      own), ``base_env`` (default :attr:`default_env`), then the spec's ``env``; later ones win.
+      :meth:`stop` removes that directory, with what vLLM leaves in it (its ZMQ sockets and
+      ``vllm_dist_*`` files, ~10 per start, are never removed by vLLM itself).
     """
 
     default_env: Mapping[str, str] = {}
@@ -138,6 +141,7 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.stop_timeout = stop_timeout
         self._proc: subprocess.Popen[bytes] | None = None
+        self._scratch: str | None = None
         self._launched_at = 0.0
         self.startup_seconds: float | None = None
 
@@ -156,6 +160,11 @@ class ServerProcess:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def scratch_dir(self) -> Path | None:
+        """The child's ``TMPDIR`` while it runs (None before :meth:`launch`); removed by :meth:`stop`."""
+        return None if self._scratch is None else Path(self._scratch)
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -170,18 +179,23 @@ class ServerProcess:
         """Start the process without waiting (several servers can then start in parallel)."""
         if self._proc is not None:
             raise RuntimeError(f"{type(self).__name__}.start() called twice")
-        env = {**os.environ, **LAUNCH_ENV, **self.base_env, **self.spec.env}
+        self._scratch = tempfile.mkdtemp(prefix="akv-")  # short: ZMQ socket paths must fit 107 bytes
+        env = {**os.environ, **LAUNCH_ENV, "TMPDIR": self._scratch, **self.base_env, **self.spec.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._launched_at = time.monotonic()
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                self.spec.command(self._port),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        try:
+            with open(self.log_path, "wb") as log:
+                self._proc = subprocess.Popen(
+                    self.spec.command(self._port),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+        except OSError:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
         atexit.register(self.stop)
         return self
 
@@ -258,6 +272,8 @@ class ServerProcess:
         # Engine children may outlive the leader for a moment; never leave them behind.
         if _group_alive(pgid):
             _signal_group(pgid, signal.SIGKILL)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     def log_tail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the server log."""

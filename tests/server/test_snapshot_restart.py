@@ -111,4 +111,7 @@ def test_a_corrupt_snapshot_is_refused_and_the_server_starts_fresh(tiny_model_di
     with VLLMServer(spec, log_path=tmp_path / "server.log") as server:
         assert _transitions(server) == {}
         log = server.log_path.read_text(errors="replace")
+        scratch = server.scratch_dir
+        assert scratch is not None and any(scratch.iterdir())  # vLLM's sockets and files went there...
     assert "refusing snapshot, starting with fresh learned state" in log
+    assert not scratch.exists()  # ...and nothing of this server is left in /tmp
