@@ -447,7 +447,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         if pool is None:
             return 0, learned
         group = [self._residency_group]
-        resident, missing = 0, len(hashes)  # blocks [0, resident) are cached; block `missing` is not
+        resident, missing = 0, len(hashes)  # blocks [0, resident) are cached; block `missing` (if any) is not
         while resident < missing:
             middle = (resident + missing) // 2
             if pool.get_cached_block(hashes[middle], group) is None:  # type: ignore[arg-type]
