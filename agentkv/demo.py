@@ -55,17 +55,18 @@ def _verdict(result: dict[str, Any]) -> list[str]:
 
     out = []
     for c in result.get("comparisons", []):
-        out += comparison_lines(c["rate"], c, c["server"])
+        server, baseline = c["server"], c.get("baseline", "vanilla")
+        out += comparison_lines(c["rate"], c, server, baseline)
         ttft = c["ttft_mean"]
         call = verdict(ttft, neutral=1.0, lower_is_better=True, tolerance=SAME_RATIO)
         if call == "the same":
-            out.append(f"  => mean TTFT: agentkv and vanilla are the same within {SAME_RATIO:.0%} "
+            out.append(f"  => mean TTFT: {server} and {baseline} are the same within {SAME_RATIO:.0%} "
                        f"({ttft['value']:.2f}x, 95% CI {ttft['low']:.2f}-{ttft['high']:.2f})")
         elif call == "inside the noise":
             out.append(f"  => mean TTFT: the difference ({ttft['value']:.2f}x) is inside the noise of this run "
                        "(the interval holds 1.00x); more sessions (--sessions) narrow it")
         else:
-            out.append(f"  => mean TTFT: agentkv is {call} than vanilla ({ttft['value']:.2f}x, 95% CI "
+            out.append(f"  => mean TTFT: {server} is {call} than {baseline} ({ttft['value']:.2f}x, 95% CI "
                        f"{ttft['low']:.2f}-{ttft['high']:.2f})")
     return out
 

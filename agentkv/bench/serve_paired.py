@@ -117,15 +117,16 @@ def _pooled(blocks: Sequence[Block], name: str) -> float:
 # open-loop run's throughput is set by the arrival rate: 1.00x [0.998, 0.999] is not "worse").
 SAME_RATIO = 0.01
 SAME_POINTS = 0.5
-# (key, label): ratios agentkv / vanilla, except hit rate (a difference in points)
+# (key, label): ratios compared / baseline (e.g. agentkv / vanilla), except hit rate (a difference in points)
 METRICS = (("ttft_mean", "mean TTFT"), ("ttft_p50", "p50 TTFT"), ("ttft_p99", "p99 TTFT"),
            ("turn_mean", "mean turn latency"), ("throughput", "throughput"), ("hit_rate", "hit rate"))
 
 
 def compare(pairs: Sequence[tuple[Block, Block]], *, seed: int = 0, resamples: int = RESAMPLES) -> dict[str, Any]:
-    """``pairs``: (vanilla block, agentkv block) with the same sessions. For each metric: the
-    pooled ratio agentkv/vanilla (hit rate: difference in points) and its 95% percentile-bootstrap
-    interval, resampling pairs with replacement. One pair gives the point and a NaN interval."""
+    """``pairs``: (baseline block, compared block) with the same sessions, e.g. (vanilla, agentkv).
+    For each metric: the pooled ratio compared/baseline (hit rate: difference in points) and its 95%
+    percentile-bootstrap interval, resampling pairs with replacement. One pair gives the point and a
+    NaN interval."""
     rng = np.random.default_rng(seed)
     n = len(pairs)
     draws = rng.integers(0, n, size=(resamples, n)) if n > 1 else np.zeros((0, n), dtype=int)
@@ -158,9 +159,10 @@ def verdict(effect: dict[str, float], *, neutral: float, lower_is_better: bool, 
     return "better" if (high < neutral) == lower_is_better else "worse"
 
 
-def comparison_lines(rate: float, result: dict[str, Any], name: str = "agentkv") -> list[str]:
+def comparison_lines(rate: float, result: dict[str, Any], name: str = "agentkv", baseline: str = "vanilla"
+                     ) -> list[str]:
     """Human-readable lines: every metric with its interval and whether it is more than noise."""
-    lines = [f"arrival rate {rate:g}/s, {name} vs vanilla, {result['blocks']} paired blocks "
+    lines = [f"arrival rate {rate:g}/s, {name} vs {baseline}, {result['blocks']} paired blocks "
              "(95% bootstrap intervals):"]
     for key, label in METRICS:
         effect = result[key]

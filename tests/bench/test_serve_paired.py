@@ -113,3 +113,24 @@ def test_the_demo_says_plainly_when_the_difference_is_inside_the_noise():
     clear = compare([(_block([100.0, 120.0]), _block([60.0, 72.0])) for _ in range(5)])
     lines = _verdict({"comparisons": [{"rate": 0.15, "setup": "single", "server": "agentkv", **clear}]})
     assert lines[-1] == "  => mean TTFT: agentkv is better than vanilla (0.60x, 95% CI 0.60-0.60)"
+
+
+def test_the_warmup_variant_is_also_compared_with_agentkv_alone():
+    """What the warm-ups add on top of the eviction policy: agentkv+warmup against agentkv, paired."""
+    from agentkv.bench.serve.report import comparison_report
+    from agentkv.bench.serve.run import _comparisons
+
+    def blocks(scale: float, hits: float) -> list[Block]:
+        return [_block([scale * t for t in (100.0, 120.0)], hits=hits) for _ in range(4)]
+
+    result = {"comparisons": _comparisons({(0.5, "single", "vanilla"): blocks(1.0, 30),
+                                           (0.5, "single", "agentkv"): blocks(0.9, 55),
+                                           (0.5, "single", "agentkv+warmup"): blocks(0.72, 60)}, seed=0)}
+    effects = {(c["server"], c["baseline"]): (c["ttft_mean"]["value"], c["hit_rate"]["value"])
+               for c in result["comparisons"]}
+    assert effects == {("agentkv", "vanilla"): (pytest.approx(0.9), pytest.approx(25.0)),
+                       ("agentkv+warmup", "vanilla"): (pytest.approx(0.72), pytest.approx(30.0)),
+                       ("agentkv+warmup", "agentkv"): (pytest.approx(0.8), pytest.approx(5.0))}
+    headings = [line for line in comparison_report(result) if line.startswith("arrival rate")]
+    assert [h.split(",")[1].strip() for h in headings] == [
+        "agentkv vs vanilla", "agentkv+warmup vs vanilla", "agentkv+warmup vs agentkv"]

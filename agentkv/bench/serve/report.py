@@ -69,11 +69,11 @@ def _load_range(load: Sequence[float] | None) -> str:
 
 
 def comparison_report(result: dict[str, Any]) -> list[str]:
-    """The paired ratios with their intervals, one paragraph per (rate, setup, server)."""
+    """The paired ratios with their intervals, one paragraph per (rate, setup, server, baseline)."""
     lines = []
     for c in result.get("comparisons", []):
         name = c["server"] if c["setup"] == "single" else f"{c['server']} {c['setup']}"
-        lines += [*comparison_lines(c["rate"], c, name), ""]
+        lines += [*comparison_lines(c["rate"], c, name, c.get("baseline", "vanilla")), ""]
     return lines
 
 

@@ -1,4 +1,5 @@
-"""The benchmark: every rate on every target, in alternating blocks, paired comparisons against vanilla."""
+"""The benchmark: every rate on every target, in alternating blocks, paired comparisons (against vanilla;
+``agentkv+warmup`` against ``agentkv`` too)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,20 @@ def block_sizes(sessions: int, block_sessions: int) -> list[int]:
     return [block_sessions] * full + ([rest] if rest else [])
 
 
+# what each server is compared with, paired by block: vanilla, and the warm-up variant with agentkv
+# alone (what the warm-ups add on top of the eviction policy)
+_BASELINES = {"agentkv": ("vanilla",), "agentkv+warmup": ("vanilla", "agentkv")}
+
+
 def _comparisons(blocks: dict[tuple[float, str, str], list[Block]], seed: int) -> list[dict[str, Any]]:
-    """Every non-vanilla target against vanilla in the same rate and setup, paired by block."""
+    """Every non-vanilla target against its baselines in the same rate and setup, paired by block."""
     out = []
     for (rate, setup, server), ours in blocks.items():
-        base = blocks.get((rate, setup, "vanilla"))
-        if server != "vanilla" and base is not None:
-            out.append({"rate": rate, "setup": setup, "server": server,
-                        **compare(list(zip(base, ours, strict=True)), seed=seed)})
+        for baseline in _BASELINES.get(server, ()):
+            base = blocks.get((rate, setup, baseline))
+            if base is not None:
+                out.append({"rate": rate, "setup": setup, "server": server, "baseline": baseline,
+                            **compare(list(zip(base, ours, strict=True)), seed=seed)})
     return out
 
 
