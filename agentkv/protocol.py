@@ -387,7 +387,14 @@ STATS_SCHEMA: Final[dict[str, Any]] = {
             "type": "object",
             "required": ["sent", "useful", "wasted", "redundant", "pending"],
             "properties": {"sent": _COUNT, "useful": _COUNT, "wasted": _COUNT, "redundant": _COUNT,
-                           "pending": _COUNT, "wasted_by": {"type": "object", "additionalProperties": _COUNT}},
+                           "pending": _COUNT, "wasted_by": {"type": "object", "additionalProperties": _COUNT},
+                           "useful_lead_s": {
+                               "type": "object",
+                               "required": ["bounds", "counts", "sum"],
+                               "properties": {"bounds": {"type": "array", "items": {"type": "number"}},
+                                              "counts": {"type": "array", "items": _COUNT},
+                                              "sum": {"type": "number", "minimum": 0}},
+                           }},
         },
         "trace": {
             "type": ["object", "null"],

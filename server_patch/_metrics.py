@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 __all__ = ["render_metrics"]
+
+_Family = CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
 
 
 class _StatsCollector(Collector):
@@ -17,7 +20,7 @@ class _StatsCollector(Collector):
         self._stats = stats
         self._strict = strict
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[_Family]:
         stats = self._stats
         agents = stats.get("agents", {})
         families = (
@@ -64,7 +67,7 @@ class _StatsCollector(Collector):
                                 value=1.0 if self._strict else 0.0)
 
 
-def _anchor_and_warmup_families(stats: dict[str, Any]) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+def _anchor_and_warmup_families(stats: dict[str, Any]) -> Iterator[_Family]:
     """Anchor residency (what a warm-up coordinator polls) and the server-side warm-up outcomes."""
     length = GaugeMetricFamily("agentkv_anchor_length_blocks", "Learned anchor length in blocks, by agent",
                                labels=["agent"])
@@ -86,6 +89,13 @@ def _anchor_and_warmup_families(stats: dict[str, Any]) -> Iterator[CounterMetric
     yield outcomes
     yield GaugeMetricFamily("agentkv_warmups_pending", "Warm-ups waiting for their agent's next request",
                             value=warmups.get("pending", 0))
+    lead = warmups.get("useful_lead_s")
+    if lead is not None:
+        cumulative = list(itertools.accumulate(lead["counts"]))
+        bounds = [*(f"{bound:g}" for bound in lead["bounds"]), "+Inf"]
+        yield HistogramMetricFamily("agentkv_warmup_lead_seconds",
+                                    "Time from a useful warm-up's admission to its agent's call's",
+                                    buckets=list(zip(bounds, cumulative, strict=True)), sum_value=lead["sum"])
 
 
 def render_metrics(stats: dict[str, Any], strict: bool) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -10,6 +11,10 @@ from typing import Any, Final
 __all__ = ["WarmupLedger"]
 
 DEFAULT_WINDOW: Final = 120.0
+# Upper bounds (s) of the buckets of a useful warm-up's lead, from its admission to its agent's
+# call's: a lead shorter than the warm-up's own prefill puts that prefill just ahead of the call
+# (the call hits it, and waits for it), a long one overlapped other work.
+LEAD_BOUNDS: Final = (0.05, 0.2, 1.0, 5.0, 30.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +34,8 @@ class WarmupLedger:
     (``wasted``: ``expired``), or a new warm-up of the agent replaces it (``wasted``: ``superseded``).
 
     Invariants: at most one pending warm-up per agent; ``sent == useful + wasted + redundant +
-    pending``; ``_holders`` maps exactly the hashes of pending warm-ups to their agents.
+    pending``; ``_holders`` maps exactly the hashes of pending warm-ups to their agents; the lead
+    buckets count every useful warm-up once (``sum(lead_counts) == useful``).
     """
 
     def __init__(self, clock: Callable[[], float], window: float = DEFAULT_WINDOW) -> None:
@@ -39,6 +45,8 @@ class WarmupLedger:
         self.wasted: Counter[str] = Counter()
         self._pending: dict[str, _Warmed] = {}
         self._holders: dict[Hashable, set[str]] = {}
+        self.lead_counts = [0] * (len(LEAD_BOUNDS) + 1)  # the last: longer than LEAD_BOUNDS[-1]
+        self.lead_sum = 0.0
 
     def warmed(self, agent: str, block_hashes: Sequence[Hashable], hit_blocks: int, hittable_blocks: int) -> None:
         """A warm-up of ``agent`` was admitted with ``hit_blocks`` leading blocks from the cache, of
@@ -93,6 +101,9 @@ class WarmupLedger:
                     del self._holders[block_hash]
         if waste is None:
             self.counts["useful"] += 1
+            lead = max(0.0, self.clock() - warmed.at)
+            self.lead_counts[bisect_left(LEAD_BOUNDS, lead)] += 1
+            self.lead_sum += lead
         else:
             self.counts["wasted"] += 1
             self.wasted[waste] += 1
@@ -107,4 +118,6 @@ class WarmupLedger:
             "pending": len(self._pending),
             "wasted_by": {k: self.wasted[k] for k in ("evicted", "expired", "missed", "superseded")},
             "window_s": self.window,
+            "useful_lead_s": {"bounds": list(LEAD_BOUNDS), "counts": list(self.lead_counts),
+                              "sum": round(self.lead_sum, 6)},
         }

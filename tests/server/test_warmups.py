@@ -79,21 +79,31 @@ def test_before_its_anchor_is_learned_residency_counts_the_latest_first_call() -
 
 
 def test_warmup_then_the_agents_call_hitting_it_is_useful() -> None:
-    runtime, kv = setup()
+    clock = Clock()
+    runtime, kv = setup(clock)
     evict_everything(kv, runtime)
     assert warmup(kv, runtime) == 0  # the anchor was cold
+    no_lead = {"bounds": [0.05, 0.2, 1.0, 5.0, 30.0], "counts": [0] * 6, "sum": 0.0}
     assert outcomes(runtime) | {"wasted_by": None} == {
-        "sent": 1, "useful": 0, "wasted": 0, "redundant": 0, "pending": 1, "wasted_by": None, "window_s": 120.0}
+        "sent": 1, "useful": 0, "wasted": 0, "redundant": 0, "pending": 1, "wasted_by": None, "window_s": 120.0,
+        "useful_lead_s": no_lead}
+    clock.now += 0.1
     other = run(kv, runtime, request(anchor("reviewer") + history("s7"), AgentTag("reviewer", "s7")))
     assert other == 0 and outcomes(runtime)["pending"] == 1  # another agent's call settles nothing
     hit = run(kv, runtime, request(anchor("coder") + history("s2"), AgentTag("coder", "s2")))
     assert hit == ANCHOR_BLOCKS * BS
     assert outcomes(runtime) == {"sent": 1, "useful": 1, "wasted": 0, "redundant": 0, "pending": 0,
                                  "wasted_by": {"evicted": 0, "expired": 0, "missed": 0, "superseded": 0},
-                                 "window_s": 120.0}
+                                 "window_s": 120.0,  # the call came 0.1 s after its warm-up: in (0.05, 0.2]
+                                 "useful_lead_s": no_lead | {"counts": [0, 1, 0, 0, 0, 0], "sum": 0.1}}
     text = render_metrics(runtime.stats(max_age=0), strict=False).decode()
     assert 'agentkv_warmups_total{outcome="useful"} 1.0' in text
     assert 'agentkv_warmups_total{outcome="sent"} 1.0' in text
+    for line in ('agentkv_warmup_lead_seconds_bucket{le="0.05"} 0.0',
+                 'agentkv_warmup_lead_seconds_bucket{le="0.2"} 1.0',
+                 'agentkv_warmup_lead_seconds_bucket{le="+Inf"} 1.0',
+                 "agentkv_warmup_lead_seconds_count 1.0", "agentkv_warmup_lead_seconds_sum 0.1"):
+        assert line in text, line
     assert f'agentkv_anchor_resident_blocks{{agent="coder"}} {float(ANCHOR_BLOCKS)}' in text
     assert f'agentkv_anchor_length_blocks{{agent="coder"}} {float(ANCHOR_BLOCKS)}' in text
     assert f"agentkv_kv_free_blocks {float(NUM_BLOCKS - 1)}" in text

@@ -39,8 +39,9 @@ async def engine_counters(client: httpx.AsyncClient, engines: Sequence[str]) -> 
 
 
 async def engine_warmups(client: httpx.AsyncClient, engines: Sequence[str]) -> collections.Counter[str]:
-    """The warm-up outcomes the agentkv engines counted (``warmups`` of their stats), summed; none
-    from an engine without agentkv or whose stats cannot be read."""
+    """The warm-up outcomes the agentkv engines counted (``warmups`` of their stats), summed, with
+    the useful ones' leads by bucket (``lead_le_0.05``, ..., ``lead_over_30``); none from an engine
+    without agentkv or whose stats cannot be read."""
     total: collections.Counter[str] = collections.Counter()
     for root in engines:
         with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
@@ -48,6 +49,10 @@ async def engine_warmups(client: httpx.AsyncClient, engines: Sequence[str]) -> c
             response.raise_for_status()
             outcomes = response.json().get("warmups") or {}
             total.update({k: int(outcomes.get(k, 0)) for k in ("sent", "useful", "wasted", "redundant")})
+            lead = outcomes.get("useful_lead_s") or {"bounds": [], "counts": []}
+            names = [*(f"lead_le_{bound:g}" for bound in lead["bounds"]), f"lead_over_{lead['bounds'][-1]:g}"
+                     ] if lead["bounds"] else []
+            total.update({name: int(count) for name, count in zip(names, lead["counts"], strict=False)})
     return total
 
 
