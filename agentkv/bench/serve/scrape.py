@@ -49,10 +49,11 @@ async def engine_warmups(client: httpx.AsyncClient, engines: Sequence[str]) -> c
             response.raise_for_status()
             outcomes = response.json().get("warmups") or {}
             total.update({k: int(outcomes.get(k, 0)) for k in ("sent", "useful", "wasted", "redundant")})
-            lead = outcomes.get("useful_lead_s") or {"bounds": [], "counts": []}
-            names = [*(f"lead_le_{bound:g}" for bound in lead["bounds"]), f"lead_over_{lead['bounds'][-1]:g}"
-                     ] if lead["bounds"] else []
-            total.update({name: int(count) for name, count in zip(names, lead["counts"], strict=False)})
+            lead = outcomes.get("useful_lead_s")
+            if lead and lead["bounds"]:
+                bounds = lead["bounds"]
+                names = [*(f"lead_le_{bound:g}" for bound in bounds), f"lead_over_{bounds[-1]:g}"]
+                total.update(dict(zip(names, map(int, lead["counts"]), strict=False)))
     return total
 
 
