@@ -20,6 +20,7 @@ from agentkv.graph import (
     SessionTiming,
     TransitionLearner,
     save_snapshot,
+    top_successors,
 )
 from agentkv.protocol import (
     PROTOCOL_VERSION,
@@ -119,15 +120,20 @@ class RuntimeControl:
 
     def view(self) -> dict[str, Any]:
         """What a warm-up decision reads (``GET /agentkv/v1/view``): the scheduler's waiting and
-        running requests, the free blocks, and ``[resident, learned]`` anchor blocks of the
-        ``_MAX_VIEW_AGENTS`` agents seen most recently. O(log of their anchor blocks) each: no stats document."""
+        running requests, the free blocks, ``[resident, learned]`` anchor blocks of the
+        ``_MAX_VIEW_AGENTS`` agents seen most recently (O(log of their anchor blocks) each), and
+        the prediction after each of them: all a decision needs, so it never asks for stats."""
         waiting, running = self.queue_lengths() if self.queue_lengths is not None else (None, None)
         recent = self.anchors.recent(_MAX_VIEW_AGENTS)
+        successors = top_successors(self.predictor.chain(), recent)
         return {
             "waiting": waiting,
             "running": running,
             "free_blocks": None if self.pool is None else self.pool.get_num_free_blocks(),
             "anchors": {agent: list(self.anchor_residency(agent)) for agent in recent},
+            "block_size": self.block_size,
+            "predictability": round(self.learner.predictability(), 4),
+            "next": {agent: [p.agent, round(p.probability, 4)] for agent, p in successors.items()},
         }
 
     def answered_request(self, key: object, tool_call: object) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
 from ._passage import PassageBuilder, first_passage_steps, first_passage_within
 from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PeerExport
-from ._predictor import ChainModel, Prediction, Predictor
+from ._predictor import ChainModel, Prediction, Predictor, top_successors
 from ._reuse import (
     UNCACHED,
     UNTAGGED,
@@ -61,5 +61,6 @@ __all__ = [
     "restore_or_fresh",
     "save_snapshot",
     "score_reuse",
+    "top_successors",
     "transition_entropy_ratio",
 ]

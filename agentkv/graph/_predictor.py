@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,7 +10,7 @@ import numpy as np
 from ._facts import GraphFacts
 from ._learner import TransitionLearner
 
-__all__ = ["ChainModel", "Prediction", "Predictor"]
+__all__ = ["ChainModel", "Prediction", "Predictor", "top_successors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,20 @@ class Predictor:
             return None
         best = max(distribution, key=distribution.__getitem__)
         return Prediction(best, distribution[best])
+
+
+def top_successors(chain: ChainModel, agents: Iterable[str]) -> dict[str, Prediction]:
+    """The most likely next agent of each of ``agents`` known to ``chain``; left out when its row
+    has no single best (a tie, e.g. the uniform row of an agent never followed, says nothing)."""
+    known = [a for a in agents if a in chain.index]
+    if not known or not chain.agents:
+        return {}
+    rows = chain.matrix[[chain.index[a] for a in known]]
+    best = rows.argmax(axis=1)
+    top = rows[np.arange(len(known)), best]
+    runner_up = np.partition(rows, -2, axis=1)[:, -2] if rows.shape[1] > 1 else np.zeros(len(known))
+    return {a: Prediction(chain.agents[b], float(p)) for a, b, p, q in zip(known, best, top, runner_up, strict=True)
+            if p > q}
 
 
 def _renormalise(matrix: np.ndarray) -> np.ndarray:

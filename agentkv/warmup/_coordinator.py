@@ -36,7 +36,7 @@ from ._anchors import DEFAULT_BLOCK_SIZE, Anchor, AnchorBook
 from ._config import WarmupConfig
 from ._decision import JobState, TargetState, TokenBucket
 from ._ledger import WarmupLedger
-from ._prediction import Prediction, predict_from_stats, predict_with_learner, predictor_of
+from ._prediction import Prediction, predict_from_stats, predict_from_view, predict_with_learner, predictor_of
 from ._server import NoTokenizer, WarmupServer, blocks_to_warm, warmup_request
 from ._urls import same_server, server_root
 
@@ -288,9 +288,11 @@ class WarmupCoordinator:
         def target_state() -> TargetState:
             nonlocal anchor
             assert target is not None
+            view = server.view()
+            if view.resident(target):  # its learned anchor is cached: nothing to resolve (most jobs)
+                return TargetState(view.anchors[target][1], True)
             self._ensure_block_size(server)
             anchor = self._anchor(target, server)
-            view = server.view()
             known = anchor.blocks if anchor is not None and anchor.tokens else None
             return TargetState(blocks_to_warm(anchor, view, target), view.resident(target, known), view.waiting,
                                view.running, view.free_blocks)
@@ -323,16 +325,21 @@ class WarmupCoordinator:
             except Exception as exc:
                 self.errors.record("client-side prediction", exc)
                 return None
+        view = server.view()
+        if view.predictability is not None:  # an agentkv server's view tells its prediction
+            return predict_from_view(view, agent)
         stats = server.stats()
         return None if stats is None else predict_from_stats(stats, agent)
 
     def _ensure_block_size(self, server: WarmupServer) -> None:
         if self._block_size_known:
             return
-        stats = server.stats()
-        if stats is None:
-            return  # unknown for now (the default applies); asked again after stats_interval
-        size = stats.get("block_size")
+        size: Any = server.view().block_size
+        if size is None:
+            stats = server.stats()
+            if stats is None:
+                return  # unknown for now (the default applies); asked again after stats_interval
+            size = stats.get("block_size")
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             self.anchors.block_size = size
         else:

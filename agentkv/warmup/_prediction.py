@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Prediction", "predict_from_stats", "predict_with_learner", "predictor_of"]
+from ._server import ServerView
+
+__all__ = ["Prediction", "predict_from_stats", "predict_from_view", "predict_with_learner", "predictor_of"]
 
 Prediction = tuple[str, float, bool, float]
 """(next agent, its probability, whether that transition was observed, predictability R)."""
@@ -30,6 +32,14 @@ def predict_from_stats(stats: Mapping[str, Any], agent: str) -> Prediction | Non
     if len(ranked) > 1 and ranked[0][0] <= ranked[1][0]:
         return None  # a tie (e.g. the uniform row of an agent never followed): no information
     return ranked[0][1], ranked[0][0], True, float(stats.get("predictability") or 0.0)
+
+
+def predict_from_view(view: ServerView, agent: str) -> Prediction | None:
+    """The server's prediction after ``agent`` in an agentkv view (None: unknown or a tie)."""
+    guess = view.successors.get(agent)
+    if guess is None or view.predictability is None:
+        return None
+    return guess[0], guess[1], True, view.predictability
 
 
 def _observed(learner: Any, agent: str, target: str) -> bool:

@@ -22,13 +22,18 @@ __all__ = ["NoTokenizer", "ServerView", "WarmupServer", "anchor_resident", "bloc
 class ServerView:
     """What one ``GET /agentkv/v1/view`` (or ``/metrics``) tells about the engine (None: not said).
 
-    ``anchors``: agent -> (leading anchor blocks resident, learned anchor length in blocks).
+    ``anchors``: agent -> (leading anchor blocks resident, learned anchor length in blocks);
+    ``successors``: agent -> (the server's predicted next agent, its probability), told with
+    ``predictability`` (the learned R) by an agentkv view; ``block_size``: the server's KV block size.
     """
 
     running: float | None = None
     waiting: float | None = None
     free_blocks: int | None = None
     anchors: dict[str, tuple[int, int]] = field(default_factory=dict)
+    successors: dict[str, tuple[str, float]] = field(default_factory=dict)
+    predictability: float | None = None
+    block_size: int | None = None
 
     def resident(self, agent: str, anchor_blocks: int | None = None) -> bool | None:
         """Whether ``agent``'s anchor is cached (see ``anchor_resident``); None for an agent not listed."""
@@ -84,6 +89,13 @@ def view_of(document: Any) -> ServerView:
     free = document.get("free_blocks")
     view.free_blocks = None if free is None else int(free)
     view.anchors = {str(agent): (int(pair[0]), int(pair[1])) for agent, pair in anchors.items()}
+    # a server before session 31 tells no prediction: the caller then reads the stats
+    successors, predictability, size = document.get("next"), document.get("predictability"), document.get("block_size")
+    if isinstance(successors, Mapping) and predictability is not None:
+        view.successors = {str(agent): (str(pair[0]), float(pair[1])) for agent, pair in successors.items()}
+        view.predictability = float(predictability)
+    if size is not None:
+        view.block_size = int(size)
     return view
 
 

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from agentkv.graph import (
     Anchor,
+    ChainModel,
     GraphFacts,
     History,
     Predictor,
@@ -14,6 +15,7 @@ from agentkv.graph import (
     TransitionLearner,
     first_passage_within,
     score_reuse,
+    top_successors,
 )
 
 agents = st.sampled_from(["a", "b", "c", "d", "e"])
@@ -27,6 +29,24 @@ def stochastic_matrices(draw):
     raw = np.array(draw(st.lists(st.floats(0, 1), min_size=n * n, max_size=n * n))).reshape(n, n)
     raw[raw.sum(axis=1) == 0, 0] = 1.0
     return raw / raw.sum(axis=1, keepdims=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stochastic_matrices(), st.lists(st.sampled_from("abcdefz"), max_size=8))
+def test_the_top_successor_is_the_rows_single_best_or_nothing(matrix, asked):
+    """What the view tells a warm-up coordinator (docs/protocol.md §2.4): exactly the stats row's
+    best entry, left out on a tie and for an agent the chain does not know."""
+    names = tuple("abcdef"[: len(matrix)])
+    matrix = np.round(matrix, 1)  # ties are common
+    chain = ChainModel(names, matrix, np.full(len(names), 1 / len(names)), {a: i for i, a in enumerate(names)})
+    told = top_successors(chain, asked)
+    for agent in set(asked):
+        row = sorted(((p, b) for b, p in zip(names, matrix[names.index(agent)], strict=True)), reverse=True) \
+            if agent in names else []
+        single = bool(row) and (len(row) == 1 or row[0][0] > row[1][0])
+        assert (agent in told) == single
+        if single:
+            assert (told[agent].agent, told[agent].probability) == (row[0][1], row[0][0])
 
 
 @settings(max_examples=150, deadline=None)

@@ -218,14 +218,21 @@ def test_the_server_still_serves_after_all_of_it(client):
 
 def test_the_view_tells_queues_room_and_anchor_residency(client):
     """``GET /agentkv/v1/view``, what a warm-up decision reads: the scheduler's queues, the free
-    blocks and each recent agent's [resident, learned] anchor blocks, with no stats document built."""
+    blocks, each recent agent's [resident, learned] anchor blocks and the prediction after it,
+    with no stats document built."""
     anchor = list(range(500, 500 + 96))  # three 32-token blocks every call of the agent repeats
     for session in ("view-1", "view-2"):  # a second session's call teaches the anchor's length
         body = {**COMPLETION, "prompt": [*anchor, 7, 8, 9, int(session[-1])]}
         response = client.post("/v1/completions", json=body,
                                headers={**AUTH, "X-AgentKV-Agent": "viewer", "X-AgentKV-Session": session})
         assert response.status_code == 200
+    response = client.post("/v1/completions", json=COMPLETION,  # viewer -> reviewer, learned
+                           headers={**AUTH, "X-AgentKV-Agent": "reviewer", "X-AgentKV-Session": "view-2"})
+    assert response.status_code == 200
     view = client.get(VIEW_PATH, headers=AUTH).json()
     assert (view["waiting"], view["running"]) == (0, 0)  # idle between calls
     assert 0 < view["free_blocks"] <= 81
     assert view["anchors"]["viewer"] == [3, 3]
+    assert view["block_size"] == 32 and 0.0 <= view["predictability"] <= 1.0
+    assert view["next"]["viewer"][0] == "reviewer" and 0.0 < view["next"]["viewer"][1] <= 1.0
+    assert "reviewer" not in view["next"]  # never followed: a uniform row predicts nothing

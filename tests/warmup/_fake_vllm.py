@@ -3,7 +3,8 @@
 It renders chat requests with a small template (tools after the system message, like the tiny test
 model; optionally a date line, or tools inside the first user message), tokenizes by code point,
 keeps a block-granular prefix cache so ``cached_tokens`` is real, and serves ``/tokenize``,
-``/v1/completions``, ``/v1/chat/completions``, ``/metrics`` and ``/agentkv/v1/stats``.
+``/v1/completions``, ``/v1/chat/completions``, ``/metrics``, ``/agentkv/v1/stats`` and (``view=True``)
+``/agentkv/v1/view``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class FakeVLLM:
     gate: threading.Event | None = None  # warm-ups wait for it
     include_details: bool = True  # --enable-prompt-tokens-details
     agentkv_metrics: bool = True  # /metrics carries agentkv's gauges (a vanilla vLLM's does not)
+    view: bool = False  # serves /agentkv/v1/view (an agentkv server does; False: read through /metrics)
     anchors: dict[str, tuple[int, int]] = field(default_factory=dict)  # agent -> (resident, length) blocks
     free_blocks: int = 1000
     calls: list[Call] = field(default_factory=list)
@@ -180,6 +182,13 @@ class FakeVLLM:
                     text += (f'agentkv_anchor_length_blocks{{agent="{agent}"}} {float(length)}\n'
                              f'agentkv_anchor_resident_blocks{{agent="{agent}"}} {float(resident)}\n')
             return httpx.Response(200, text=text)
+        if path == "/agentkv/v1/view" and self.view:
+            successors = {agent: max(row.items(), key=lambda item: item[1]) for agent, row in self.transitions.items()}
+            return httpx.Response(200, json={
+                "waiting": self.waiting, "running": self.running, "free_blocks": self.free_blocks,
+                "anchors": {agent: list(pair) for agent, pair in self.anchors.items()},
+                "block_size": self.block_size, "predictability": self.predictability,
+                "next": {agent: list(best) for agent, best in successors.items()}})
         if path == "/agentkv/v1/stats":
             return httpx.Response(200, json={"version": 1, "block_size": self.block_size,
                                              "predictability": self.predictability,

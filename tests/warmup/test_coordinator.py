@@ -198,6 +198,29 @@ def test_server_side_prediction_and_block_size(fake: FakeVLLM, clock: Clock, cli
     assert stats["skipped"]["no_prediction"] == 2  # coder and critic have no learned successor
 
 
+def test_an_agentkv_view_is_all_a_decision_reads(fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+    """The view tells the server's prediction, R and block size: no stats document is asked for,
+    and a target whose learned anchor is cached is skipped without resolving its anchor (/tokenize)."""
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    fake.view, fake.predictability = True, 0.6
+    fake.transitions = {planner: {coder: 0.7, f"critic-{run_id}": 0.3}}
+    fake.anchors = {coder: (4, 4)}
+    with make(fake, clock, learner=None) as coord:
+        coord.anchors.block_size = 64  # replaced by the view's block size (16)
+        session(client, coord, clock, [coder], f"a-{run_id}")
+        tokenized = fake.count("/tokenize")
+        session(client, coord, clock, [planner], f"b-{run_id}")
+        assert coord.stats()["skipped"] == {"no_prediction": 1, "resident": 1}
+        assert fake.count("/tokenize") == tokenized  # a resident target's anchor is not resolved
+        fake.anchors = {coder: (1, 4)}
+        session(client, coord, clock, [planner], f"c-{run_id}")
+        stats = coord.stats()
+    [warm] = fake.warmups()
+    assert warm.headers["x-agentkv-agent"] == coder and stats["sent"] == 1
+    assert len(warm.body["prompt"]) % 16 == 0 and len(warm.body["prompt"]) % 64 != 0
+    assert fake.count("/agentkv/v1/stats") == 0 and fake.count("/metrics") == 0
+
+
 # --------------------------------------------------------------------------------------
 # Gates
 # --------------------------------------------------------------------------------------
