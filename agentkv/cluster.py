@@ -25,7 +25,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from agentkv._arguments import at_least
-from agentkv.launcher import HOST, VLLM_MODULE, Command, ServerProcess, free_port
+from agentkv.launcher import HOST, VLLM_MODULE, Command, PortLost, ServerProcess, free_port
 
 __all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
 
@@ -213,7 +213,7 @@ class Cluster:
 
 def _lost_a_port(exc: RuntimeError) -> bool:
     """A start-up failure because a port was taken between choosing it and binding it."""
-    return "Address already in use" in str(exc)
+    return isinstance(exc, PortLost) or "Address already in use" in str(exc)
 
 
 def _cpu_binding(index: int, replicas: int) -> dict[str, str]:

@@ -27,15 +27,22 @@ from typing import Protocol
 
 import httpx
 
-__all__ = ["HOST", "VLLM_MODULE", "Command", "Launchable", "ServerProcess", "ServerSpec", "free_port"]
+__all__ = ["HOST", "VLLM_MODULE", "Command", "Launchable", "PortLost", "ServerProcess", "ServerSpec", "free_port"]
 
 HOST = "127.0.0.1"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 LAUNCH_ENV: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
 WARM_UP_TOKENS = 16  # a started server's first forward pass (``ServerProcess._warm_up``): under a block
 
+SERVING_LINE = b"Application startup complete"  # uvicorn's, once vLLM's API server serves
+
 # Python exception summary lines ("ValueError: ..."), possibly behind a vLLM log prefix.
 _EXCEPTION_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR .*?\] )?[\w.]*(?:Error|Exception): ")
+
+
+class PortLost(RuntimeError):
+    """The server says it serves, but its port answers no HTTP: another process took the port
+    between choosing and binding it (e.g. vLLM's own engine picking an internal port)."""
 
 
 def free_port() -> int:
@@ -121,6 +128,7 @@ class ServerProcess:
     """
 
     default_env: Mapping[str, str] = {}
+    silent_port_grace: float = 30.0  # seconds /health may stay unanswered after the log says it serves
 
     def __init__(
         self,
@@ -201,10 +209,12 @@ class ServerProcess:
 
     def wait_healthy(self, timeout: float = 300.0) -> ServerProcess:
         """Block until ``/health`` answers 200 and, for a vLLM server, one short completion has run
-        (``_warm_up``); on failure stop and raise with the log."""
+        (``_warm_up``); on failure stop and raise with the log: :class:`PortLost` when the log says
+        the server serves but ``/health`` stays unanswered for ``silent_port_grace`` seconds."""
         assert self._proc is not None, "launch() first"
         t0 = self._launched_at
         deadline = t0 + timeout
+        serving_since: float | None = None
         with httpx.Client(trust_env=False, timeout=2.0) as client:
             while True:
                 if self._proc.poll() is not None:
@@ -218,6 +228,14 @@ class ServerProcess:
                         break
                 except httpx.HTTPError:
                     pass
+                if serving_since is None and self._log_says_serving():
+                    serving_since = time.monotonic()
+                if serving_since is not None and time.monotonic() - serving_since > self.silent_port_grace:
+                    self.stop()
+                    raise PortLost(
+                        f"the server says it serves, but {self.base_url}/health has not answered for "
+                        f"{self.silent_port_grace:.0f} s: another process holds its port\n{self._failure_report()}"
+                    )
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(
@@ -283,6 +301,13 @@ class ServerProcess:
         except OSError as exc:
             return f"<no log at {self.log_path}: {exc}>"
         return b"".join(tail).decode("utf-8", "replace")
+
+    def _log_says_serving(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                return SERVING_LINE in f.read()
+        except OSError:
+            return False
 
     def _failure_report(self) -> str:
         """Exception lines from the whole log (the EngineCore's root cause is often more than

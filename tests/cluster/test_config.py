@@ -1,11 +1,15 @@
-"""Cluster configuration without starting anything: validation, router command lines, core slices."""
+"""Cluster configuration and start-up without vLLM: validation, router command lines, core slices, lost ports."""
 
 from __future__ import annotations
+
+import sys
+import time
 
 import pytest
 
 from agentkv import cluster as cluster_module
 from agentkv.cluster import Cluster, ClusterConfig
+from agentkv.launcher import Command, PortLost, ServerProcess
 
 ARGS = ["--block-size", "32", "--served-model-name", "tiny"]
 
@@ -107,6 +111,41 @@ def test_a_relaunched_replica_keeps_its_place(monkeypatch, tmp_path):
     monkeypatch.setattr(running, "_router", lambda *args, **kwargs: _FlakyReplica(9, 0, ""))
     running.start()
     assert _STARTS == [0, 1, 0, 9] and [p.index for p in running.processes] == [0, 1, 9]
+
+
+# A server that says it serves while another process's socket on its port accepts and never answers.
+_SILENT_SERVER = """
+import socket, sys, time
+sock = socket.socket(); sock.bind(("127.0.0.1", int(sys.argv[1]))); sock.listen(8)
+print("(APIServer pid=1) INFO:     Application startup complete.", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_port_that_answers_no_http_is_a_lost_port_and_the_replica_is_relaunched(monkeypatch, tmp_path):
+    """A CI run: replica 1's port was held by its own engine's socket (vLLM picks internal ports
+    as it starts), so /health connected and hung while the log said the server was up."""
+    silent = ServerProcess(Command(lambda port: [sys.executable, "-c", _SILENT_SERVER, str(port)]),
+                           log_path=tmp_path / "silent.log")
+    silent.silent_port_grace = 1.0
+    started = time.monotonic()
+    with pytest.raises(PortLost, match="another process holds its port"):
+        silent.launch().wait_healthy(60)
+    assert time.monotonic() - started < 20 and silent._proc is not None and silent._proc.returncode is not None
+
+    _STARTS.clear()
+    running = Cluster(ClusterConfig("model", replicas=2, policy="round_robin", log_dir=tmp_path))
+
+    class _SilentOnce(_FlakyReplica):
+        def wait_healthy(self, timeout: float) -> _FlakyReplica:
+            if _STARTS.count(self.index) <= self.failures:
+                raise PortLost("the server says it serves, but ... has not answered")
+            return self
+
+    monkeypatch.setattr(running, "_replica", lambda index: _SilentOnce(index, 1 if index == 1 else 0, ""))
+    monkeypatch.setattr(running, "_router", lambda *args, **kwargs: _FlakyReplica(9, 0, ""))
+    running.start()
+    assert _STARTS == [0, 1, 1, 9]
 
 
 ROUTER_LOST_PORT = "Error: Address already in use (os error 98)"  # vllm-router's log (a CI run)
