@@ -8,7 +8,7 @@ import os
 import random
 import time
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -17,6 +17,9 @@ from .scrape import engine_counters, engine_recognitions, engine_warmups
 from .stats import RateRun, confusion_table
 from .targets import Target
 from .timing import CallTimer
+
+if TYPE_CHECKING:
+    from agentkv.warmup import AnchorBook
 
 __all__ = ["arrival_times", "run_rate"]
 
@@ -50,13 +53,15 @@ async def run_rate(
     concurrency: int = 16,
     example: ModuleType | None = None,
     untagged: bool = False,
+    anchors: AnchorBook | None = None,
 ) -> RateRun:
     """Run ``sessions`` sessions arriving at ``rate`` per second on one target.
 
     ``app`` is the instrumented LangGraph app, ``team`` its ``TeamConfig`` (pointing at
     ``target.url``). Workloads are ``{prefix}-{i}``: the same workloads (and seed) give the same
     tasks and routes on every target; session ids add ``target.session_suffix``. ``X-Session-ID``
-    carries ``target.routing_key`` during the run; ``agentkv+warmup`` runs a ``WarmupCoordinator``.
+    carries ``target.routing_key`` during the run; ``agentkv+warmup`` runs a ``WarmupCoordinator``
+    (with ``anchors``, the book it keeps from run to run, as an application's coordinator would).
     ``untagged`` (an uninstrumented ``app``): on an agentkv target, the run's calls are matched
     to the server's recognitions (``GET /agentkv/v1/recognized``) for a confusion table.
     """
@@ -85,7 +90,7 @@ async def run_rate(
         before = await engine_counters(client, target.engines)
         warmed_before = await engine_warmups(client, target.engines) if target.warmup else None
         previous_key = set_routing_key(target.routing_key)
-        warmup = WarmupCoordinator(target.url).start() if target.warmup else None
+        warmup = WarmupCoordinator(target.url, anchors=anchors).start() if target.warmup else None
         t0 = time.perf_counter()
         try:
             await asyncio.gather(*(session(i, at, t0) for i, at in enumerate(arrival_times(rate, sessions, seed))))

@@ -55,6 +55,7 @@ def _comparisons(blocks: dict[tuple[float, str, str], list[Block]], seed: int) -
 async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None = None
                      ) -> dict[str, Any]:
     import agentkv
+    from agentkv.warmup import AnchorBook
 
     example = load_example()
     apps: list[tuple[Target, Any, Any]] = []
@@ -65,12 +66,15 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, s
         if not config.untagged:
             app = agentkv.instrument(app, events_url=list(target.events) or None)
         apps.append((target, app, team))
+    # one coordinator's anchors across the blocks, as in an application (a coordinator runs only
+    # in its own arm's blocks: the arms share an engine)
+    books = {target: AnchorBook(base_url=target.url) for target in targets if target.warmup}
     for target, app, team in apps:
         if config.warmup_sessions:
             log(f"warm-up: {config.warmup_sessions} sessions on {_label(target)}")
             await run_rate(app, team, target, rate=max(config.rates), sessions=config.warmup_sessions,
                            seed=config.seed, prefix=_WARMUP, concurrency=2, example=example,
-                           untagged=config.untagged)
+                           untagged=config.untagged, anchors=books.get(target))
     runs: dict[tuple[float, str, str], list[RateRun]] = {}
     blocks: dict[tuple[float, str, str], list[Block]] = {}
     for repeat in range(config.repeats):
@@ -85,7 +89,7 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, s
                     run = await run_rate(app, team, target, rate=rate, sessions=size,
                                          seed=config.seed + 1000 * repeat + b, prefix=f"x{repeat}-r{index}-b{b}",
                                          concurrency=config.concurrency, example=example,
-                                         untagged=config.untagged)
+                                         untagged=config.untagged, anchors=books.get(target))
                     runs.setdefault((rate, target.setup, target.server), []).append(run)
                     blocks.setdefault((rate, target.setup, target.server), []).append(Block.of(run))
                     row = run.row()
