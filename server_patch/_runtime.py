@@ -31,6 +31,7 @@ from agentkv.graph import (
     SessionTiming,
     TransitionLearner,
     first_passage_steps,
+    padded_passage,
     recency_scorer,
     restore_or_fresh,
     score_reuse,
@@ -350,15 +351,19 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             and now - self._full_at < _FULL_INTERVAL and self._hazard is not None \
             and np.array_equal(hazard, self._hazard)
         steps, tolerance = config.steps or config.max_steps, 0.0 if config.steps else config.step_tolerance
-        if self._passage is None or self._stale("passage", (len(chain.agents), self.facts.version), dispatches, now):
-            if self._passage is None or self._passage.shape[1] != len(chain.agents):
+        agents = len(chain.agents)
+        if self._passage is None or self._stale("passage", (agents, self.facts.version), dispatches, now):
+            if self._passage is None or self._passage.shape[1] > agents:
                 self._passage = first_passage_steps(chain.matrix, steps, tolerance=tolerance)  # none to read
                 partial = False
             else:  # the current table serves until the new one is built
                 self._passages.submit(chain.matrix, steps, tolerance=tolerance)
         built = self._passages.take()
-        if built is not None and built.shape[1] == len(chain.agents):
+        if built is not None and built.shape[1] <= agents:
             self._passage = built
+            partial = False
+        if self._passage.shape[1] < agents:  # agents join the chain at its end: pad for them meanwhile
+            self._passage = padded_passage(self._passage, agents)
             partial = False
         if self._gaps is None or self._stale("gaps", self.timing.gap_agents, self.timing.gaps, now):
             self._gaps = self.timing.table()

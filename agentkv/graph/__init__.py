@@ -5,7 +5,7 @@ Pure Python + numpy + networkx; shared by the client and the vLLM server extensi
 
 from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
-from ._passage import PassageBuilder, first_passage_steps, first_passage_within
+from ._passage import PassageBuilder, first_passage_steps, first_passage_within, padded_passage
 from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PeerExport
 from ._predictor import ChainModel, Prediction, Predictor, top_successors
 from ._reuse import (
@@ -57,6 +57,7 @@ __all__ = [
     "first_passage_steps",
     "first_passage_within",
     "load_snapshot",
+    "padded_passage",
     "recency_scorer",
     "restore_or_fresh",
     "save_snapshot",

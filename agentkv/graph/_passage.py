@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["PassageBuilder", "by_origin", "first_passage_steps", "first_passage_within"]
+__all__ = ["PassageBuilder", "by_origin", "first_passage_steps", "first_passage_within", "padded_passage"]
 
 
 def first_passage_within(matrix: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,6 +46,16 @@ def by_origin(passage: np.ndarray) -> np.ndarray:
     A table from ``first_passage_steps`` is already stored so: its view is returned as it is.
     """
     return np.ascontiguousarray(passage.transpose(1, 0, 2))
+
+
+def padded_passage(passage: np.ndarray, agents: int) -> np.ndarray:
+    """``passage`` (K, i, a) of a chain's first agents, for the chain of ``agents`` agents that
+    grew from it by appending: no first visit to or from an agent added since (0 until a table
+    of the grown chain is built). Stored by origin, as ``first_passage_steps`` stores it."""
+    steps, n, _ = passage.shape
+    table = np.zeros((agents, steps, agents))
+    table[:n, :, :n] = by_origin(passage)
+    return table.transpose(1, 0, 2)
 
 
 class PassageBuilder:

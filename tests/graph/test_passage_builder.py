@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from agentkv.graph import PassageBuilder, first_passage_steps
+from agentkv.graph import PassageBuilder, first_passage_steps, padded_passage
 
 
 def _chain(n: int, seed: int) -> np.ndarray:
@@ -57,3 +57,12 @@ def test_a_small_chain_or_no_background_is_built_in_submit(agents: int, backgrou
     builder.submit(matrix, 6, tolerance=0.0)
     assert builder._worker is None
     np.testing.assert_array_equal(builder.take(), first_passage_steps(matrix, 6, tolerance=0.0))
+
+
+def test_a_padded_table_keeps_the_old_chain_and_says_nothing_of_the_agents_added():
+    old = first_passage_steps(_chain(5, 1), 6, tolerance=0.0)
+    grown = padded_passage(old, 7)
+    assert grown.shape == (old.shape[0], 7, 7)
+    assert np.array_equal(grown[:, :5, :5], old)
+    assert not grown[:, 5:, :].any() and not grown[:, :, 5:].any()
+    assert grown.transpose(1, 0, 2).flags["C_CONTIGUOUS"]  # stored by origin, as its readers take it
