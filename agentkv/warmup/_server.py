@@ -89,7 +89,7 @@ def view_of(document: Any) -> ServerView:
     free = document.get("free_blocks")
     view.free_blocks = None if free is None else int(free)
     view.anchors = {str(agent): (int(pair[0]), int(pair[1])) for agent, pair in anchors.items()}
-    # a server before session 31 tells no prediction: the caller then reads the stats
+    # an older agentkv server's view tells no prediction: the caller then asks the stats
     successors, predictability, size = document.get("next"), document.get("predictability"), document.get("block_size")
     if isinstance(successors, Mapping) and predictability is not None:
         view.successors = {str(agent): (str(pair[0]), float(pair[1])) for agent, pair in successors.items()}

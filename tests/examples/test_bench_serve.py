@@ -235,4 +235,8 @@ def test_warmup_variant_shares_agentkv_engines_but_never_its_sessions():
     assert (single_warm.url, single_warm.engines, single_warm.warmup) == (single.url, single.engines, True)
     assert (routed_warm.url, routed_warm.events) == (routed.url, routed.events) == ("http://agentkv-ch", ("http://a0", "http://a1"))
     suffixes = [t.session_suffix for t in targets]
-    assert suffixes[:2] == ["", ""] and len(set(suffixes[1:])) == len(suffixes) - 1
+    assert len(set(suffixes)) == len(suffixes)  # no two targets share a session (the arms share engines)
+    # every prompt quotes its session id: the targets compared with each other have ids of one length
+    assert {len(x) for x in suffixes[:3]} == {len("@single/0")} and len({len(x) for x in suffixes[3:]}) == 1
+    without = serve.single_targets(ServeConfig(), {"vanilla": "http://v", "agentkv": "http://a"})
+    assert [t.session_suffix for t in without] == ["", ""]  # nothing shared: the demo's prompts as they were

@@ -18,13 +18,15 @@ class Target:
     has none); ``events`` the agentkv servers that get graph facts and session events (all
     replicas: a router would hand them to one). ``setup`` is ``single`` or ``POLICY/KEY``: a
     router policy and the routing key (``session`` or ``agent``) that ``X-Session-ID`` carries.
-    ``agentkv+warmup`` is agentkv with the client's warm-up coordinator sending through ``url``."""
+    ``agentkv+warmup`` is agentkv with the client's warm-up coordinator sending through ``url``.
+    ``suffixed``: a single server's session ids carry a suffix too (see ``session_suffix``)."""
 
     server: str  # one of SERVERS
     url: str
     engines: tuple[str, ...]
     events: tuple[str, ...] = ()
     setup: str = "single"
+    suffixed: bool = False
 
     @property
     def routing_key(self) -> str:
@@ -37,17 +39,24 @@ class Target:
     @property
     def session_suffix(self) -> str:
         """Appended to session ids where targets share engines (the setups behind routers, the
-        warm-up variant): one workload run twice on one engine must not hit its own history."""
-        return "" if self.setup == "single" and not self.warmup else f"@{self.setup}/{self.server}"
+        warm-up variant): one workload run twice on one engine must not hit its own history. The
+        example quotes such an id in every prompt, so the targets compared with each other (one
+        setup's) get suffixes of one length (the kind's index in SERVERS), never only some of them:
+        a longer prompt would cost its target hit rate and prefill."""
+        if self.setup == "single" and not self.suffixed:
+            return ""
+        return f"@{self.setup}/{SERVERS.index(self.server)}"
 
     @classmethod
-    def single(cls, server: str, url: str) -> Target:
-        return cls(server, url, (url,), () if server == "vanilla" else (url,))
+    def single(cls, server: str, url: str, *, suffixed: bool = False) -> Target:
+        return cls(server, url, (url,), () if server == "vanilla" else (url,), suffixed=suffixed)
 
 
 def single_targets(config: ServeConfig, urls: dict[str, str]) -> list[Target]:
-    """The single servers (``urls``: kind -> URL), plus agentkv with warm-ups when ``config.warmup``."""
-    targets = [Target.single(kind, url) for kind, url in urls.items()]
-    if config.warmup and "agentkv" in urls:
-        targets.append(Target.single("agentkv+warmup", urls["agentkv"]))
+    """The single servers (``urls``: kind -> URL), plus agentkv with warm-ups when ``config.warmup``
+    (which shares agentkv's engine: then every single server's session ids are suffixed)."""
+    warmup = config.warmup and "agentkv" in urls
+    targets = [Target.single(kind, url, suffixed=warmup) for kind, url in urls.items()]
+    if warmup:
+        targets.append(Target.single("agentkv+warmup", urls["agentkv"], suffixed=True))
     return targets
