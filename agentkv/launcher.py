@@ -226,10 +226,10 @@ class ServerProcess:
                 try:
                     if client.get(self.base_url + "/health").status_code == 200:
                         break
+                    serving_since = None  # an HTTP answer, if not yet healthy: its own port
                 except httpx.HTTPError:
-                    pass
-                if serving_since is None and self._log_says_serving():
-                    serving_since = time.monotonic()
+                    if serving_since is None and self._log_says_serving():
+                        serving_since = time.monotonic()
                 if serving_since is not None and time.monotonic() - serving_since > self.silent_port_grace:
                     self.stop()
                     raise PortLost(
