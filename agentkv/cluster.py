@@ -25,12 +25,11 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from agentkv._arguments import at_least
-from agentkv.launcher import HOST, VLLM_MODULE, Command, PortLost, ServerProcess, free_port
+from agentkv.launcher import HOST, PORT_RETRIES, VLLM_MODULE, Command, ServerProcess, free_port, lost_a_port
 
 __all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
 
 POLICIES = ("kv_aware", "consistent_hash", "cache_aware", "round_robin")
-_PORT_RETRIES = 2  # relaunches of a replica that lost a port while the replicas started together
 
 logger = logging.getLogger("agentkv.cluster")
 
@@ -160,15 +159,15 @@ class Cluster:
         return self
 
     def _wait_replica(self, index: int, replica: ServerProcess, timeout: float) -> None:
-        """Wait for replica ``index``; relaunch it on fresh ports (at most ``_PORT_RETRIES`` times)
+        """Wait for replica ``index``; relaunch it on fresh ports (at most ``PORT_RETRIES`` times)
         when one of its ports was taken between choosing it and binding it (the replicas start
         together, and each vLLM picks internal ports of its own as it starts)."""
-        for attempt in range(_PORT_RETRIES + 1):
+        for attempt in range(PORT_RETRIES + 1):
             try:
                 replica.wait_healthy(timeout)
                 return
             except RuntimeError as exc:
-                if attempt == _PORT_RETRIES or not _lost_a_port(exc):
+                if attempt == PORT_RETRIES or not lost_a_port(exc):
                     raise
             logger.warning("agentkv cluster: replica %d lost a port to another process; relaunching", index)
             slot = self.processes.index(replica)
@@ -187,13 +186,13 @@ class Cluster:
     def _start_router(self, policy: str, args: Sequence[str], timeout: float, port: int, *, fixed: bool) -> int:
         """Start a router on ``port`` and return the port it serves on: unless the port is ``fixed``
         (the user chose it), a launch that lost a port between choosing and binding it is retried on
-        a fresh one, at most ``_PORT_RETRIES`` times (its Prometheus port is fresh on every launch)."""
-        for _ in range(_PORT_RETRIES):
+        a fresh one, at most ``PORT_RETRIES`` times (its Prometheus port is fresh on every launch)."""
+        for _ in range(PORT_RETRIES):
             try:
                 self.processes.append(self._router(policy, port, args).start(timeout))
                 return port
             except RuntimeError as exc:
-                if fixed or not _lost_a_port(exc):
+                if fixed or not lost_a_port(exc):
                     raise
             logger.warning("agentkv cluster: the %s router lost a port to another process; relaunching", policy)
             port = free_port()
@@ -209,11 +208,6 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _lost_a_port(exc: RuntimeError) -> bool:
-    """A start-up failure because a port was taken between choosing it and binding it."""
-    return isinstance(exc, PortLost) or "Address already in use" in str(exc)
 
 
 def _cpu_binding(index: int, replicas: int) -> dict[str, str]:

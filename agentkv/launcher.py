@@ -9,6 +9,7 @@ Tests add their own defaults on top (:mod:`agentkv.testing.vllm_server`).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import re
 import shutil
@@ -27,7 +28,12 @@ from typing import Protocol
 
 import httpx
 
-__all__ = ["HOST", "VLLM_MODULE", "Command", "Launchable", "PortLost", "ServerProcess", "ServerSpec", "free_port"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HOST", "PORT_RETRIES", "VLLM_MODULE", "Command", "Launchable", "PortLost", "ServerProcess", "ServerSpec",
+    "free_port", "lost_a_port",
+]
 
 HOST = "127.0.0.1"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -35,6 +41,7 @@ LAUNCH_ENV: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
 WARM_UP_TOKENS = 16  # a started server's first forward pass (``ServerProcess._warm_up``): under a block
 
 SERVING_LINE = b"Application startup complete"  # uvicorn's, once vLLM's API server serves
+PORT_RETRIES = 2  # relaunches on a fresh port of a server that lost the one it chose
 
 # Python exception summary lines ("ValueError: ..."), possibly behind a vLLM log prefix.
 _EXCEPTION_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR .*?\] )?[\w.]*(?:Error|Exception): ")
@@ -43,6 +50,11 @@ _EXCEPTION_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) ERROR .*?\] )?[\w.]*(?:Error|
 class PortLost(RuntimeError):
     """The server says it serves, but its port answers no HTTP: another process took the port
     between choosing and binding it (e.g. vLLM's own engine picking an internal port)."""
+
+
+def lost_a_port(exc: BaseException) -> bool:
+    """A start-up failure because a port was taken between choosing it and binding it."""
+    return isinstance(exc, PortLost) or (isinstance(exc, RuntimeError) and "Address already in use" in str(exc))
 
 
 def free_port() -> int:
@@ -120,7 +132,8 @@ class ServerProcess:
       crashed test run leaves no orphan (not guaranteed if the parent itself is SIGKILLed).
     * A failed start raises :class:`RuntimeError` with the tail of the log and leaves
       nothing running. The log file is kept after stop (see :attr:`log_path`).
-    * Not restartable: one instance runs at most one server.
+    * Not restartable: one instance runs at most one server. Only :meth:`start` launches again,
+      when a port the instance chose itself was taken before the server bound it.
     * The child's environment: the caller's, :data:`LAUNCH_ENV`, ``TMPDIR`` (a directory of its
       own), ``base_env`` (default :attr:`default_env`), then the spec's ``env``; later ones win.
       :meth:`stop` removes that directory, with what vLLM leaves in it (its ZMQ sockets and
@@ -142,6 +155,7 @@ class ServerProcess:
         self.spec = spec
         self.base_env = dict(self.default_env if base_env is None else base_env)
         self._port = port if port is not None else free_port()
+        self._port_is_given = port is not None
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"vllm-server-{self._port}-", suffix=".log")
             os.close(fd)
@@ -179,9 +193,21 @@ class ServerProcess:
     # -- lifecycle ----------------------------------------------------------------------
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
-        """Launch the server and block until ``/health`` answers 200."""
-        self.launch()
-        return self.wait_healthy(timeout)
+        """Launch the server and block until ``/health`` answers 200. When the server lost a port
+        to another process as it started (:func:`lost_a_port`) and its port was not given, launch
+        it again on a fresh one, at most :data:`PORT_RETRIES` times: servers that start together
+        (a test session's, a benchmark's) each pick internal ports of their own as they start."""
+        relaunches = 0
+        while True:
+            self.launch()
+            try:
+                return self.wait_healthy(timeout)
+            except RuntimeError as exc:
+                if self._port_is_given or relaunches == PORT_RETRIES or not lost_a_port(exc):
+                    raise
+            logger.warning("agentkv: the server on port %d lost a port to another process; relaunching", self._port)
+            self._proc, self._port = None, free_port()
+            relaunches += 1
 
     def launch(self) -> ServerProcess:
         """Start the process without waiting (several servers can then start in parallel)."""
