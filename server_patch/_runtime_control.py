@@ -121,8 +121,9 @@ class RuntimeControl:
     def view(self) -> dict[str, Any]:
         """What a warm-up decision reads (``GET /agentkv/v1/view``): the scheduler's waiting and
         running requests, the free blocks, ``[resident, learned]`` anchor blocks of the
-        ``_MAX_VIEW_AGENTS`` agents seen most recently (O(log of their anchor blocks) each), and
-        the prediction after each of them: all a decision needs, so it never asks for stats."""
+        ``_MAX_VIEW_AGENTS`` agents seen most recently (O(log of their anchor blocks) each), the
+        prediction after each of them and how many warm-ups survived to their agent's call: all a
+        decision needs, so it never asks for stats."""
         waiting, running = self.queue_lengths() if self.queue_lengths is not None else (None, None)
         recent = self.anchors.recent(_MAX_VIEW_AGENTS)
         successors = top_successors(self.predictor.chain(), recent)
@@ -134,6 +135,7 @@ class RuntimeControl:
             "block_size": self.block_size,
             "predictability": round(self.learner.predictability(), 4),
             "next": {agent: [p.agent, round(p.probability, 4)] for agent, p in successors.items()},
+            "warmups": list(self.warmups.survival()),
         }
 
     def answered_request(self, key: object, tool_call: object) -> dict[str, Any]:

@@ -108,6 +108,13 @@ class WarmupLedger:
             self.counts["wasted"] += 1
             self.wasted[waste] += 1
 
+    def survival(self) -> tuple[int, int]:
+        """(useful, failed): warm-ups whose agent's call hit them, and those evicted or missed
+        first; what a warm-up decision weighs its prediction by (expired and superseded ones say
+        nothing about surviving to the call)."""
+        self.expire()
+        return self.counts["useful"], self.wasted["evicted"] + self.wasted["missed"]
+
     def stats(self) -> dict[str, Any]:
         self.expire()
         return {

@@ -15,7 +15,7 @@ class WarmupConfig:
     """How a warm-up coordinator decides, paces and talks to the server.
 
     ``model``: the served model name for warm-ups (default: the one the agent's calls used).
-    ``r_min``, ``min_probability``, ``max_waiting``, ``max_load``, ``min_free_blocks``: the
+    ``r_min``, ``min_probability``, ``max_waiting``, ``max_load``, ``weigh_load``, ``min_free_blocks``: the
     thresholds of :class:`~agentkv.warmup.WarmupPolicy`; ``max_per_second`` and ``burst`` (default
     ``max(1, max_per_second)``): its token bucket. ``metrics_interval`` / ``stats_interval``: at
     most one ``GET /metrics`` / ``GET /agentkv/v1/stats`` per that many seconds. ``useful_window``:
@@ -32,6 +32,7 @@ class WarmupConfig:
     burst: float | None = None
     max_waiting: int | None = 0
     max_load: int | None = None
+    weigh_load: bool = True
     min_free_blocks: int = 0
     metrics_interval: float = 0.5
     stats_interval: float = 2.0
@@ -43,7 +44,8 @@ class WarmupConfig:
 
     def policy(self) -> WarmupPolicy:
         return WarmupPolicy(r_min=self.r_min, min_probability=self.min_probability, max_waiting=self.max_waiting,
-                            max_load=self.max_load, min_free_blocks=self.min_free_blocks)
+                            max_load=self.max_load, weigh_load=self.weigh_load,
+                            min_free_blocks=self.min_free_blocks)
 
     def headers(self) -> dict[str, str]:
         key = os.environ.get("VLLM_API_KEY") if self.api_key is None else self.api_key

@@ -295,7 +295,7 @@ class WarmupCoordinator:
             anchor = self._anchor(target, server)
             known = anchor.blocks if anchor is not None and anchor.tokens else None
             return TargetState(blocks_to_warm(anchor, view, target), view.resident(target, known), view.waiting,
-                               view.running, view.free_blocks)
+                               view.running, view.free_blocks, view.survival)
 
         decision = self.policy.decide(state, target_state, self._take)
         with self._lock:

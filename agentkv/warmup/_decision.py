@@ -11,9 +11,19 @@ that stopped the job (``warm`` when none did). Gates, in order:
   ``min_probability``); ``predictability`` (learned R below ``r_min``);
 * target: ``resident`` (the server holds every block of the agent's anchor: nothing to warm);
   ``no_anchor`` (no warmable prefix known); ``busy`` (requests waiting above ``max_waiting``, or
-  running + waiting above ``max_load``: a warm-up would delay a user's request); ``no_room``
+  running + waiting above ``max_load``: a warm-up would delay a user's request); ``costly`` (the
+  warm-up's price, see below, exceeds its expected saving); ``no_room``
   (fewer free KV blocks than the anchor needs plus ``min_free_blocks``); ``rate_limit`` (the rate
   limiter refused: checked last, so only jobs that passed every other gate spend a token).
+
+The price (``weigh_load``): a warm-up moves the anchor's prefill off the predicted caller's critical
+path, but the prefill shares the engine's next steps with every running request and delays each of
+them by about as long. With ``r`` requests running, the expected saving is ``P * S * (1 + r)``
+prefills (the caller's, and the delay it would have put on the ``r`` requests running at its call,
+taken as today's), where ``P`` is the prediction's probability and ``S`` the share of the server's
+warm-ups that survived until their agent's call (1 when unknown); the cost is ``r``. The job warms
+only when ``P * S * (1 + r) >= r``: an idle engine always qualifies; three running requests ask
+P * S >= 0.75. The prefill's length cancels out, so no per-token time is needed.
 
 Unknown inputs never block a warm-up (a server without agentkv, metrics that cannot be read): the
 gate is skipped and the decision lists it in ``fallbacks`` (``residency_unknown``,
@@ -30,7 +40,7 @@ from typing import Final
 __all__ = ["JOB_GATES", "TARGET_GATES", "JobState", "TargetState", "TokenBucket", "WarmupDecision", "WarmupPolicy"]
 
 JOB_GATES: Final = ("session_ended", "late", "no_prediction", "unlikely", "predictability")
-TARGET_GATES: Final = ("resident", "no_anchor", "busy", "no_room", "rate_limit")
+TARGET_GATES: Final = ("resident", "no_anchor", "busy", "costly", "no_room", "rate_limit")
 WARM: Final = "warm"
 
 
@@ -79,7 +89,8 @@ class TargetState:
 
     ``anchor_blocks``: blocks the warm-up would prefill (0: nothing warmable known);
     ``resident``: the server holds the whole anchor; ``waiting``/``running``: requests in the
-    engine; ``free_blocks``: KV blocks a new request can take (free or evictable).
+    engine; ``free_blocks``: KV blocks a new request can take (free or evictable); ``survival``:
+    the share of warm-ups that lasted until their agent's call (the price's ``S``).
     """
 
     anchor_blocks: int
@@ -87,6 +98,7 @@ class TargetState:
     waiting: float | None = None
     running: float | None = None
     free_blocks: int | None = None
+    survival: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +117,15 @@ class WarmupDecision:
 class WarmupPolicy:
     """The thresholds of the gates (see the module doc); ``decide`` is a pure function of its inputs.
 
-    ``max_waiting`` / ``max_load`` None turn the busy gate's checks off.
+    ``max_waiting`` / ``max_load`` None turn the busy gate's checks off; ``weigh_load=False`` the
+    price (``costly``).
     """
 
     r_min: float = 0.3
     min_probability: float = 0.0
     max_waiting: float | None = 0
     max_load: float | None = None
+    weigh_load: bool = True
     min_free_blocks: int = 0
 
     def decide(
@@ -127,7 +141,8 @@ class WarmupPolicy:
         if reason is not None:
             return WarmupDecision(reason)
         state = target() if callable(target) else target
-        reason, fallbacks = self.target_gate(state)
+        # a manual warm-up was asked for: no price to weigh
+        reason, fallbacks = self.target_gate(state, None if job.manual else job.probability)
         if reason is None:
             reason = WARM if take() else "rate_limit"
         return WarmupDecision(reason, fallbacks)
@@ -147,8 +162,10 @@ class WarmupPolicy:
             return "predictability"
         return None
 
-    def target_gate(self, state: TargetState) -> tuple[str | None, tuple[str, ...]]:
-        """(the target gate that blocks, or None; the gates skipped because their input is unknown)."""
+    def target_gate(self, state: TargetState, probability: float | None) -> tuple[str | None, tuple[str, ...]]:
+        """(the target gate that blocks, or None; the gates skipped because their input is unknown).
+        ``probability``: the prediction's P(next), which the price weighs with ``state.survival``
+        (None: a manual warm-up, not priced)."""
         fallbacks: list[str] = []
         if state.resident is None:
             fallbacks.append("residency_unknown")
@@ -160,6 +177,8 @@ class WarmupPolicy:
             fallbacks.append("load_unknown")
         elif self._busy(state.waiting, state.running):
             return "busy", tuple(fallbacks)
+        elif self._costly(probability, state):
+            return "costly", tuple(fallbacks)
         if state.free_blocks is None:
             fallbacks.append("room_unknown")
         elif state.free_blocks < state.anchor_blocks + self.min_free_blocks:
@@ -170,3 +189,9 @@ class WarmupPolicy:
         if self.max_waiting is not None and waiting > self.max_waiting:
             return True
         return self.max_load is not None and running is not None and running + waiting > self.max_load
+
+    def _costly(self, probability: float | None, state: TargetState) -> bool:
+        if not self.weigh_load or probability is None or state.running is None:
+            return False
+        useful = probability * (1.0 if state.survival is None else state.survival)
+        return useful * (1.0 + state.running) < state.running

@@ -24,7 +24,9 @@ class ServerView:
 
     ``anchors``: agent -> (leading anchor blocks resident, learned anchor length in blocks);
     ``successors``: agent -> (the server's predicted next agent, its probability), told with
-    ``predictability`` (the learned R) by an agentkv view; ``block_size``: the server's KV block size.
+    ``predictability`` (the learned R) by an agentkv view; ``block_size``: the server's KV block size;
+    ``survival``: the share of warm-ups that lasted until their agent's call, (useful + 1) /
+    (useful + failed + 1) of the server's counts (1 before any outcome: warm-ups get their chance).
     """
 
     running: float | None = None
@@ -34,6 +36,7 @@ class ServerView:
     successors: dict[str, tuple[str, float]] = field(default_factory=dict)
     predictability: float | None = None
     block_size: int | None = None
+    survival: float | None = None
 
     def resident(self, agent: str, anchor_blocks: int | None = None) -> bool | None:
         """Whether ``agent``'s anchor is cached (see ``anchor_resident``); None for an agent not listed."""
@@ -96,6 +99,9 @@ def view_of(document: Any) -> ServerView:
         view.predictability = float(predictability)
     if size is not None:
         view.block_size = int(size)
+    outcomes = document.get("warmups")
+    if isinstance(outcomes, list) and len(outcomes) == 2 and all(type(n) is int and n >= 0 for n in outcomes):
+        view.survival = (outcomes[0] + 1) / (outcomes[0] + outcomes[1] + 1)
     return view
 
 

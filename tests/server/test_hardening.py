@@ -236,3 +236,4 @@ def test_the_view_tells_queues_room_and_anchor_residency(client):
     assert view["block_size"] == 32 and 0.0 <= view["predictability"] <= 1.0
     assert view["next"]["viewer"][0] == "reviewer" and 0.0 < view["next"]["viewer"][1] <= 1.0
     assert "reviewer" not in view["next"]  # never followed: a uniform row predicts nothing
+    assert view["warmups"] == [0, 0]  # (useful, failed) warm-ups: none sent

@@ -107,6 +107,7 @@ def test_warmup_then_the_agents_call_hitting_it_is_useful() -> None:
     assert f'agentkv_anchor_resident_blocks{{agent="coder"}} {float(ANCHOR_BLOCKS)}' in text
     assert f'agentkv_anchor_length_blocks{{agent="coder"}} {float(ANCHOR_BLOCKS)}' in text
     assert f"agentkv_kv_free_blocks {float(NUM_BLOCKS - 1)}" in text
+    assert runtime.view()["warmups"] == [1, 0]
 
 
 def test_warmup_evicted_before_use_is_wasted() -> None:
@@ -119,6 +120,7 @@ def test_warmup_evicted_before_use_is_wasted() -> None:
     assert stats["wasted_by"]["evicted"] == 1
     assert run(kv, runtime, request(anchor("coder") + history("s2"), AgentTag("coder", "s2"))) == 0
     assert outcomes(runtime)["wasted"] == 1  # settled once
+    assert runtime.view()["warmups"] == [0, 1]  # (useful, failed): what a decision weighs P by
 
 
 def test_warmup_of_a_resident_anchor_is_redundant() -> None:
@@ -141,6 +143,7 @@ def test_unused_warmup_expires_and_a_call_without_the_anchor_misses() -> None:
     stats = outcomes(runtime)
     assert (stats["sent"], stats["useful"], stats["wasted"]) == (2, 0, 2)
     assert stats["wasted_by"]["missed"] == 1
+    assert runtime.view()["warmups"] == [0, 1]  # an expired warm-up says nothing about surviving
 
 
 def test_warmups_do_not_count_as_the_agents_queries() -> None:

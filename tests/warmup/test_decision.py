@@ -88,9 +88,40 @@ def test_a_manual_warmup_skips_the_prediction_gates_but_not_the_session_ones() -
     assert decide(replace(manual, late=True)) == WarmupDecision("late")
 
 
-def test_busy_checks_can_be_turned_off() -> None:
-    policy = WarmupPolicy(max_waiting=None, max_load=None)
+def test_load_checks_can_be_turned_off() -> None:
+    policy = WarmupPolicy(max_waiting=None, max_load=None, weigh_load=False)
     assert policy.decide(JOB, replace(COLD, waiting=50, running=50)).warm
+
+
+@pytest.mark.parametrize(("probability", "running", "warm"), [
+    (0.01, 0, True),  # an idle engine: nothing to delay
+    (0.5, 1, True),  # 0.5 * 2 >= 1: the saving pays for the delay
+    (0.49, 1, False),
+    (0.75, 3, True),
+    (0.74, 3, False),
+    (1.0, 50, True),  # a certain call: the prefill only moves earlier
+])
+def test_the_price_weighs_the_prediction_against_the_running_requests(
+    probability: float, running: int, warm: bool
+) -> None:
+    policy = WarmupPolicy(max_waiting=0, max_load=None)
+    decision = policy.decide(replace(JOB, probability=probability), replace(COLD, running=running))
+    assert decision == WarmupDecision("warm" if warm else "costly")
+    assert WarmupPolicy(max_load=None, weigh_load=False).decide(
+        replace(JOB, probability=probability), replace(COLD, running=running)).warm
+
+
+def test_the_price_weighs_the_prediction_by_the_warmups_that_survived() -> None:
+    policy = WarmupPolicy(max_load=None)
+    job = replace(JOB, probability=1.0)
+    assert policy.decide(job, replace(COLD, running=2, survival=0.67)).warm  # 0.67 * 3 >= 2
+    assert policy.decide(job, replace(COLD, running=2, survival=0.66)) == WarmupDecision("costly")
+    assert policy.decide(job, replace(COLD, running=0, survival=0.01)).warm  # an idle engine
+
+
+def test_a_manual_warmup_pays_any_price() -> None:
+    manual = JobState("coder", probability=0.0, manual=True)
+    assert WarmupPolicy(max_load=None).decide(manual, replace(COLD, running=20, survival=0.1)).warm
 
 
 def test_token_bucket() -> None:

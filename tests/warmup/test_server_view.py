@@ -50,6 +50,17 @@ def test_an_anchor_not_learned_yet_is_judged_by_the_anchor_the_caller_holds():
         == [False, True, None, False, True]
 
 
+@pytest.mark.parametrize(("outcomes", "survival"), [
+    ([0, 0], 1.0),  # no outcome yet: warm-ups get their chance
+    ([3, 1], 0.8),  # (useful + 1) / (useful + failed + 1)
+    ([0, 4], 0.2),
+    ([1, -1], None), ([1], None), ("3,1", None), ([1.5, 0], None), (None, None),  # not said: unpriced
+])
+def test_the_view_tells_how_many_warmups_survived(outcomes, survival):
+    document = {"anchors": {}} if outcomes is None else {"anchors": {}, "warmups": outcomes}
+    assert view_of(document).survival == survival
+
+
 def test_a_vanilla_server_says_nothing_about_anchors_or_room():
     view = parse_server_view("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n")
     assert (view.running, view.waiting, view.free_blocks, view.anchors) == (None, 0.0, None, {})
