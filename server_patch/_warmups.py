@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -15,6 +15,9 @@ DEFAULT_WINDOW: Final = 120.0
 # call's: a lead shorter than the warm-up's own prefill puts that prefill just ahead of the call
 # (the call hits it, and waits for it), a long one overlapped other work.
 LEAD_BOUNDS: Final = (0.05, 0.2, 1.0, 5.0, 30.0)
+# The survival a warm-up decision reads is over this many latest outcomes, so that it follows the
+# pool's pressure as the workload changes rather than the server's whole life.
+SURVIVAL_WINDOW: Final = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +38,9 @@ class WarmupLedger:
 
     Invariants: at most one pending warm-up per agent; ``sent == useful + wasted + redundant +
     pending``; ``_holders`` maps exactly the hashes of pending warm-ups to their agents; the lead
-    buckets count every useful warm-up once (``sum(lead_counts) == useful``).
+    buckets count every useful warm-up once (``sum(lead_counts) == useful``); ``_survived`` holds
+    the latest ``SURVIVAL_WINDOW`` outcomes that tell survival (useful: True; evicted or missed:
+    False).
     """
 
     def __init__(self, clock: Callable[[], float], window: float = DEFAULT_WINDOW) -> None:
@@ -47,6 +52,7 @@ class WarmupLedger:
         self._holders: dict[Hashable, set[str]] = {}
         self.lead_counts = [0] * (len(LEAD_BOUNDS) + 1)  # the last: longer than LEAD_BOUNDS[-1]
         self.lead_sum = 0.0
+        self._survived: deque[bool] = deque(maxlen=SURVIVAL_WINDOW)
 
     def warmed(self, agent: str, block_hashes: Sequence[Hashable], hit_blocks: int, hittable_blocks: int) -> None:
         """A warm-up of ``agent`` was admitted with ``hit_blocks`` leading blocks from the cache, of
@@ -99,6 +105,8 @@ class WarmupLedger:
                 holders.discard(agent)
                 if not holders:
                     del self._holders[block_hash]
+        if waste is None or waste in ("evicted", "missed"):
+            self._survived.append(waste is None)
         if waste is None:
             self.counts["useful"] += 1
             lead = max(0.0, self.clock() - warmed.at)
@@ -109,11 +117,12 @@ class WarmupLedger:
             self.wasted[waste] += 1
 
     def survival(self) -> tuple[int, int]:
-        """(useful, failed): warm-ups whose agent's call hit them, and those evicted or missed
-        first; what a warm-up decision weighs its prediction by (expired and superseded ones say
-        nothing about surviving to the call)."""
+        """(useful, failed) among the latest ``SURVIVAL_WINDOW`` warm-ups whose agent's call hit
+        them or that were evicted or missed first: what a warm-up decision weighs its prediction
+        by (expired and superseded ones say nothing about surviving to the call)."""
         self.expire()
-        return self.counts["useful"], self.wasted["evicted"] + self.wasted["missed"]
+        useful = sum(self._survived)
+        return useful, len(self._survived) - useful
 
     def stats(self) -> dict[str, Any]:
         self.expire()

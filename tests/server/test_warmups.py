@@ -9,6 +9,7 @@ import jsonschema
 from agentkv.protocol import STATS_SCHEMA, AgentTag
 from server_patch._metrics import render_metrics
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+from server_patch._warmups import DEFAULT_WINDOW, SURVIVAL_WINDOW, WarmupLedger
 
 from .test_runtime import AGENTS, ANCHOR_BLOCKS, BS, anchor, manager, request, run
 
@@ -177,3 +178,21 @@ def test_residency_by_bisection_counts_the_cached_leading_blocks_exactly() -> No
             assert runtime.anchor_residency(name)[0] == scanned
             partial += 0 < scanned < len(runtime.anchors.anchor_hashes(name))
     assert partial > 0  # some prefixes were cut part of the way, not only whole or gone
+
+
+def test_survival_is_read_over_the_latest_outcomes_only() -> None:
+    """The view's ``warmups`` (what a decision weighs P by) follows the pool's pressure: the latest
+    SURVIVAL_WINDOW outcomes that tell survival, while the stats keep the whole life's counts."""
+    clock = Clock()
+    ledger = WarmupLedger(clock)
+    for i in range(SURVIVAL_WINDOW):  # a phase under pressure: every warm-up evicted first
+        ledger.warmed("coder", [("w", i)], 0, 1)
+        ledger.evicted(("w", i))
+    assert ledger.survival() == (0, SURVIVAL_WINDOW)
+    for i in range(30):  # then room: every warm-up hit by its agent's call
+        ledger.warmed("coder", [("u", i)], 0, 1)
+        ledger.used("coder", [("u", i)], 1)
+    ledger.warmed("coder", [("x", 0)], 0, 1)
+    clock.now += DEFAULT_WINDOW + 1  # an expired warm-up says nothing about surviving
+    assert ledger.survival() == (30, SURVIVAL_WINDOW - 30)
+    assert (ledger.counts["useful"], ledger.wasted["evicted"], ledger.wasted["expired"]) == (30, SURVIVAL_WINDOW, 1)
