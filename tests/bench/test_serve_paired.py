@@ -134,3 +134,18 @@ def test_the_warmup_variant_is_also_compared_with_agentkv_alone():
     headings = [line for line in comparison_report(result) if line.startswith("arrival rate")]
     assert [h.split(",")[1].strip() for h in headings] == [
         "agentkv vs vanilla", "agentkv+warmup vs vanilla", "agentkv+warmup vs agentkv"]
+
+
+def test_the_report_tells_what_became_of_the_warmups():
+    from agentkv.bench.serve.report import warmup_lines
+
+    warmups = {"sent": 29, "failed": 0, "dropped": 0, "skipped_resident": 145, "skipped_costly": 14,
+               "fallback_room_unknown": 1, "server_sent": 29, "server_useful": 21, "server_wasted": 6,
+               "server_redundant": 2, "server_lead_le_1": 13}
+    rows = [{"rate": 0.5, "setup": "single", "server": "agentkv"},
+            {"rate": 0.5, "setup": "single", "server": "agentkv+warmup", "warmups": warmups},
+            {"rate": 0.5, "setup": "kv_aware/session", "server": "agentkv+warmup", "warmups": {"sent": 0}}]
+    assert warmup_lines({"rows": rows}) == [
+        "agentkv+warmup at 0.5 sessions/s: warm-ups sent 29 (useful 21, wasted 6, redundant 2, as the server "
+        "saw them); decisions skipped: resident 145, costly 14",
+        "agentkv+warmup kv_aware/session at 0.5 sessions/s: warm-ups sent 0"]

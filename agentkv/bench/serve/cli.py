@@ -6,7 +6,7 @@ import argparse
 
 from agentkv.bench.serve_args import config_from_args
 
-from .report import bound_lines, comparison_report, confusion_markdown, markdown_table, write_reports
+from .report import bound_lines, comparison_report, confusion_markdown, markdown_table, warmup_lines, write_reports
 from .run import run_benchmark
 
 __all__ = ["main"]
@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(markdown_table(result["rows"]))
     print()
-    print("\n".join([*comparison_report(result), *bound_lines(result)]))
+    print("\n".join([*comparison_report(result), *warmup_lines(result), *bound_lines(result)]))
     for row in result["rows"]:
         if row.get("confusion"):
             print("\n" + confusion_markdown(row))

@@ -13,7 +13,7 @@ from agentkv.bench.serve_paired import comparison_lines
 from .plots import plot, plot_setups
 from .targets import SERVERS
 
-__all__ = ["comparison_report", "confusion_markdown", "markdown_table", "write_reports"]
+__all__ = ["comparison_report", "confusion_markdown", "markdown_table", "warmup_lines", "write_reports"]
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -90,11 +90,29 @@ def bound_lines(result: dict[str, Any]) -> list[str]:
             f"{figures['belady']:.1%} under Belady (evicting by the future){gap}"]
 
 
+def warmup_lines(result: dict[str, Any]) -> list[str]:
+    """What each warm-up arm's coordinator decided and what the server saw become of its warm-ups."""
+    lines = []
+    for r in result["rows"]:
+        counts = r.get("warmups")
+        if not counts:
+            continue
+        where = "" if r.get("setup", "single") == "single" else f" {r['setup']}"
+        skipped = ", ".join(f"{k.removeprefix('skipped_')} {n}" for k, n in counts.items() if k.startswith("skipped_"))
+        outcomes = ", ".join(f"{k} {counts[f'server_{k}']}" for k in ("useful", "wasted", "redundant")
+                             if f"server_{k}" in counts)
+        lines.append(f"{r['server']}{where} at {r['rate']:g} sessions/s: warm-ups sent {counts.get('sent', 0)}"
+                     + (f" ({outcomes}, as the server saw them)" if outcomes else "")
+                     + (f"; decisions skipped: {skipped}" if skipped else ""))
+    return lines
+
+
 def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = None) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "serve.json", "md": out / "serve.md"}
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    tables = [markdown_table(result["rows"]), "\n".join([*comparison_report(result), *bound_lines(result)])]
+    tables = [markdown_table(result["rows"]),
+              "\n".join([*comparison_report(result), *warmup_lines(result), *bound_lines(result)])]
     tables += [confusion_markdown(r) for r in result["rows"] if r.get("confusion")]
     paths["md"].write_text("\n\n".join(tables) + "\n")
     c = result["config"]
