@@ -26,7 +26,7 @@ class ServerView:
     ``successors``: agent -> (the server's predicted next agent, its probability), told with
     ``predictability`` (the learned R) by an agentkv view; ``block_size``: the server's KV block size;
     ``survival``: the share of warm-ups that lasted until their agent's call, (useful + 1) /
-    (useful + failed + 1) of the server's counts (1 before any outcome: warm-ups get their chance).
+    (useful + failed + 1) of the server's latest outcomes (1 before any: warm-ups get their chance).
     """
 
     running: float | None = None
