@@ -18,7 +18,7 @@ that stopped the job (``warm`` when none did). Gates, in order:
 
 The price (``weigh_load``): a warm-up moves the anchor's prefill off the predicted caller's critical
 path, but the prefill shares the engine's next steps with every running request and delays each of
-them by about as long. With ``r`` requests running, the expected saving is ``P * S * (1 + r)``
+them by about as long. With ``r`` requests running or waiting, the expected saving is ``P * S * (1 + r)``
 prefills (the caller's, and the delay it would have put on the ``r`` requests running at its call,
 taken as today's), where ``P`` is the prediction's probability and ``S`` the share of the server's
 warm-ups that survived until their agent's call (1 when unknown); the cost is ``r``. The job warms
@@ -193,5 +193,6 @@ class WarmupPolicy:
     def _costly(self, probability: float | None, state: TargetState) -> bool:
         if not self.weigh_load or probability is None or state.running is None:
             return False
+        delayed = state.running + (state.waiting or 0.0)  # queued requests wait for the prefill too
         useful = probability * (1.0 if state.survival is None else state.survival)
-        return useful * (1.0 + state.running) < state.running
+        return useful * (1.0 + delayed) < delayed

@@ -119,6 +119,13 @@ def test_the_price_weighs_the_prediction_by_the_warmups_that_survived() -> None:
     assert policy.decide(job, replace(COLD, running=0, survival=0.01)).warm  # an idle engine
 
 
+def test_requests_waiting_are_delayed_too_when_the_busy_gate_lets_them() -> None:
+    policy = WarmupPolicy(max_waiting=None, max_load=None)
+    job = replace(JOB, probability=0.7)
+    assert policy.decide(job, replace(COLD, running=2, waiting=0)).warm  # 0.7 * 3 >= 2
+    assert policy.decide(job, replace(COLD, running=2, waiting=1)) == WarmupDecision("costly")  # 0.7 * 4 < 3
+
+
 def test_a_manual_warmup_pays_any_price() -> None:
     manual = JobState("coder", probability=0.0, manual=True)
     assert WarmupPolicy(max_load=None).decide(manual, replace(COLD, running=20, survival=0.1)).warm
