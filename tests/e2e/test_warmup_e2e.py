@@ -5,17 +5,14 @@ coder's anchor; its session end retires its blocks and two 64-block untagged pro
 before session 2 the coder's anchor (unique to this run) is cold -- the warm-up's own
 ``cached_tokens`` shows it. In session 2 the coordinator warms it after the planner's turn, and the
 coder's real call hits at least the whole anchor. Then the same with the server's own transition
-model instead of a client-side learner. Last, the warm-up's price: an uncertain prediction waits
-while other requests run, and is warmed on an idle engine.
+model instead of a client-side learner.
 """
 
 from __future__ import annotations
 
-import threading
 import uuid
 from typing import Any, TypedDict
 
-import httpx
 import pytest
 
 pytest.importorskip("langgraph")
@@ -26,7 +23,6 @@ from langgraph.graph import END, START, StateGraph
 
 import agentkv
 from agentkv.graph import TransitionLearner
-from agentkv.protocol import VIEW_PATH
 from agentkv.testing.server_stats import fetch_stats, learned, wait_for
 from agentkv.warmup import WarmupCoordinator
 
@@ -155,79 +151,3 @@ def test_an_anchor_the_server_has_not_learned_yet_is_warmed_only_when_evicted(ow
     else:
         assert stats["skipped"].get("resident", 0) == 1
     assert app.hits["coder"][-1] >= 10 * BLOCK  # the coder's call hit its anchor either way
-
-
-class Load:
-    """Requests kept running on the server until the block ends: ``streams`` streaming completions,
-    each followed by another (two, so that the gap between one stream's requests never leaves the
-    engine idle, whether the engine runs them together or, as on a busy machine, in turns; closing
-    a stream aborts its request on the server)."""
-
-    def __init__(self, base_url: str, streams: int = 2) -> None:
-        self.base_url = base_url
-        self.streamed = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
-
-    def _run(self) -> None:
-        body = {"model": "tiny", "prompt": "load", "max_tokens": 300, "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=self.base_url, trust_env=False, timeout=120) as client:
-            while not self._stop.is_set():
-                with client.stream("POST", "/v1/completions", json=body) as response:
-                    for _ in response.iter_lines():
-                        self.streamed += 1
-                        if self._stop.is_set():
-                            break
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        try:
-            with httpx.Client(base_url=self.base_url, trust_env=False, timeout=10) as client:
-                wait_for(lambda: (client.get(VIEW_PATH).json()["running"] or 0) >= 1, "a running request")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=30)
-
-
-def test_a_warmup_costlier_than_its_saving_waits_for_an_idle_engine(own_agentkv_server) -> None:
-    """The price of a warm-up (docs/frameworks.md): with P(coder | planner) = 0.4 and a request
-    running, warming saves at most 0.4 x (1 + 1) = 0.8 of the anchor's prefill and delays the
-    running request by a whole one: the decision is ``costly`` and nothing is sent (with two
-    running, or one queued, 1.2 against 2). The same prediction on an idle engine is warmed, and
-    the coder's call hits the anchor."""
-    base = own_agentkv_server.base_url
-    run = uuid.uuid4().hex[:8]
-    app = App(base, run)
-    learner = TransitionLearner()
-    for i, successor in enumerate([app.coder, f"a-{run}", f"b-{run}", f"c-{run}"]):
-        session = f"p-{run}-{i}"  # planner -> coder 1 time in 4 (2 in 5 after the session below)
-        learner.observe(app.planner, session, "")
-        learner.observe(successor, session)
-        learner.end_session(session)
-    # this toy chain's R is low; a stream's next request may be queued for a step: priced, not "busy"
-    app.coordinator = WarmupCoordinator(base, learner=learner, r_min=0.0, max_waiting=None)
-    with app.coordinator as coordinator:
-        app.session(f"c-{run}-1")  # captures the anchors on an idle engine
-        before = coordinator.stats()
-        fill_cache(base, f"{run}-c1")
-        with Load(base) as load:
-            app.session(f"c-{run}-2")
-            streamed = load.streamed
-        loaded = coordinator.stats()
-        fill_cache(base, f"{run}-c2")
-        app.session(f"c-{run}-3")
-        idle = coordinator.stats()
-    print(f"\nunder load ({streamed} tokens streamed meanwhile): skipped {loaded['skipped']}; idle: sent "
-          f"{idle['sent'] - loaded['sent']}, coder's call cached_tokens {app.hits['coder'][-1]}")
-    assert streamed > 0
-    assert loaded["sent"] == before["sent"]
-    assert loaded["skipped"].get("costly", 0) - before["skipped"].get("costly", 0) == 1
-    assert idle["sent"] - loaded["sent"] == 1 and idle["useful"] - loaded["useful"] == 1
-    assert app.hits["coder"][-1] >= idle["recent"][-1]["anchor_tokens"] >= 10 * BLOCK
