@@ -22,7 +22,9 @@ class WarmupConfig:
     seconds after which a warm-up whose agent was not called counts as ``unused``. ``queue_size``:
     jobs kept (the oldest dropped when full). ``timeout``: httpx timeout of every request.
     ``block_size``: the server's KV block size (default: from its stats, else 32). ``api_key``:
-    sent as vLLM expects it (default ``VLLM_API_KEY``; none when neither is set).
+    sent as vLLM expects it (default ``VLLM_API_KEY``; none when neither is set). ``replicas``:
+    behind a router, the URLs of the servers behind it, whose views are read and merged (the
+    router would hand each read to one of them); warm-ups still go through the router.
     """
 
     model: str | None = None
@@ -41,6 +43,7 @@ class WarmupConfig:
     timeout: float = 10.0
     block_size: int | None = None
     api_key: str | None = None
+    replicas: tuple[str, ...] = ()
 
     def policy(self) -> WarmupPolicy:
         return WarmupPolicy(r_min=self.r_min, min_probability=self.min_probability, max_waiting=self.max_waiting,

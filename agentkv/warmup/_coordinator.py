@@ -66,7 +66,9 @@ class WarmupCoordinator:
     ``on_dispatch`` unless ``feed_learner=False``, e.g. when ``instrument(learner=...)`` already
     feeds it); without one, the server's learned ``transitions`` and ``predictability`` (``GET
     /agentkv/v1/stats``) are used. ``anchors``: an :class:`~agentkv.warmup.AnchorBook` to share.
-    ``transport``: an httpx transport (tests). Use as a context manager or call ``start``/``close``.
+    ``transport``: an httpx transport (tests). Behind a router, ``replicas=[url, ...]`` (a
+    :class:`WarmupConfig` field) names the servers whose views are read. Use as a context manager or
+    call ``start``/``close``.
 
     Invariants: hooks never block or raise into the application (errors are counted by kind and
     logged once); at most ``queue_size`` jobs wait, the oldest dropped and counted; ``close`` never
@@ -85,7 +87,9 @@ class WarmupCoordinator:
         clock: Callable[[], float] = time.monotonic,
         **settings: Any,
     ) -> None:
-        self.config = config = dataclasses.replace(config or WarmupConfig(), **settings)
+        config = dataclasses.replace(config or WarmupConfig(), **settings)
+        replicas = (config.replicas,) if isinstance(config.replicas, str) else config.replicas
+        self.config = config = dataclasses.replace(config, replicas=tuple(server_root(url) for url in replicas))
         self.base_url = server_root(base_url)
         self.policy = config.policy()
         self.clock = clock
@@ -236,16 +240,19 @@ class WarmupCoordinator:
     # -- worker ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        clients: list[httpx.Client] = []
         try:
-            timeout = httpx.Timeout(self.config.timeout, connect=min(2.0, self.config.timeout))
-            client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False, transport=self._transport,
-                                  headers=self.config.headers())
-            server = WarmupServer(client, self.errors, self.clock, stats_interval=self.config.stats_interval,
-                                  metrics_interval=self.config.metrics_interval, model=self.config.model)
-        except Exception as exc:
-            self.errors.record("warm-up client", exc)
-            return
-        try:
+            try:
+                timeout = httpx.Timeout(self.config.timeout, connect=min(2.0, self.config.timeout))
+                for url in (self.base_url, *self.config.replicas):  # the server (or router), then those behind it
+                    clients.append(httpx.Client(base_url=url, timeout=timeout, trust_env=False,
+                                                transport=self._transport, headers=self.config.headers()))
+                server = WarmupServer(clients[0], self.errors, self.clock, stats_interval=self.config.stats_interval,
+                                      metrics_interval=self.config.metrics_interval, model=self.config.model,
+                                      replicas=clients[1:])
+            except Exception as exc:
+                self.errors.record("warm-up client", exc)
+                return
             while True:
                 with self._wake:
                     while not self._queue and not self._closed:
@@ -263,10 +270,11 @@ class WarmupCoordinator:
                         self._busy_worker = False
                         self._wake.notify_all()
         finally:
-            try:
-                client.close()
-            except Exception:
-                pass
+            for client in clients:
+                try:
+                    client.close()
+                except Exception:
+                    pass
 
     def _skip(self, reason: str) -> None:
         with self._lock:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +14,8 @@ from agentkv.protocol import STATS_PATH, VIEW_PATH, AgentTag
 
 from ._anchors import Anchor
 
-__all__ = ["NoTokenizer", "ServerView", "WarmupServer", "anchor_resident", "blocks_to_warm", "parse_server_view",
-           "view_of", "warmup_request"]
+__all__ = ["NoTokenizer", "ServerView", "WarmupServer", "anchor_resident", "blocks_to_warm", "merge_views",
+           "parse_server_view", "view_of", "warmup_request"]
 
 
 @dataclass(slots=True)
@@ -25,8 +25,7 @@ class ServerView:
     ``anchors``: agent -> (leading anchor blocks resident, learned anchor length in blocks);
     ``successors``: agent -> (the server's predicted next agent, its probability), told with
     ``predictability`` (the learned R) by an agentkv view; ``block_size``: the server's KV block size;
-    ``survival``: the share of warm-ups that lasted until their agent's call, (useful + 1) /
-    (useful + failed + 1) of the server's latest outcomes (1 before any: warm-ups get their chance).
+    ``outcomes``: (useful, failed) of the server's latest warm-ups, whence ``survival``.
     """
 
     running: float | None = None
@@ -36,7 +35,16 @@ class ServerView:
     successors: dict[str, tuple[str, float]] = field(default_factory=dict)
     predictability: float | None = None
     block_size: int | None = None
-    survival: float | None = None
+    outcomes: tuple[int, int] | None = None
+
+    @property
+    def survival(self) -> float | None:
+        """The share of warm-ups that lasted until their agent's call, (useful + 1) / (useful + failed
+        + 1) (1 before any outcome: warm-ups get their chance); None when the server does not say."""
+        if self.outcomes is None:
+            return None
+        useful, failed = self.outcomes
+        return (useful + 1) / (useful + failed + 1)
 
     def resident(self, agent: str, anchor_blocks: int | None = None) -> bool | None:
         """Whether ``agent``'s anchor is cached (see ``anchor_resident``); None for an agent not listed."""
@@ -101,8 +109,45 @@ def view_of(document: Any) -> ServerView:
         view.block_size = int(size)
     outcomes = document.get("warmups")
     if isinstance(outcomes, list) and len(outcomes) == 2 and all(type(n) is int and n >= 0 for n in outcomes):
-        view.survival = (outcomes[0] + 1) / (outcomes[0] + outcomes[1] + 1)
+        view.outcomes = (outcomes[0], outcomes[1])
     return view
+
+
+def merge_views(views: Sequence[ServerView]) -> ServerView:
+    """One view of the replicas behind a router, from each replica's own (an unreadable one is empty).
+
+    A ``kv_aware`` router sends a call to the replica that holds its prefix, and under
+    ``consistent_hash`` on the agent an anchor lives on its agent's replica only: an anchor counts as
+    resident when any replica holds it. Where the router puts a warm-up of an anchor no replica
+    holds is its own choice, so the load and the room are the replicas' mean. Warm-up outcomes add
+    up; the prediction is the first told (the replicas share their learned counts).
+    """
+    if len(views) == 1:
+        return views[0]
+    merged = ServerView()
+    for name in ("running", "waiting", "free_blocks"):
+        said = [value for view in views if (value := getattr(view, name)) is not None]
+        if said:
+            mean = sum(said) / len(said)
+            setattr(merged, name, int(mean) if name == "free_blocks" else mean)
+    for view in views:
+        for agent, pair in view.anchors.items():
+            held = merged.anchors.get(agent)
+            if held is None or _holds_more(pair, held):
+                merged.anchors[agent] = pair
+        if merged.predictability is None and view.predictability is not None:
+            merged.predictability, merged.successors = view.predictability, dict(view.successors)
+        if merged.block_size is None:
+            merged.block_size = view.block_size
+        if view.outcomes is not None:
+            useful, failed = merged.outcomes or (0, 0)
+            merged.outcomes = (useful + view.outcomes[0], failed + view.outcomes[1])
+    return merged
+
+
+def _holds_more(pair: tuple[int, int], than: tuple[int, int]) -> bool:
+    """Whether a replica's (resident, learned) anchor entry says more is cached than ``than``."""
+    return (anchor_resident(*pair, None) is True, pair[0]) > (anchor_resident(*than, None) is True, than[0])
 
 
 def blocks_to_warm(anchor: Anchor | None, view: ServerView, agent: str) -> int:
@@ -143,7 +188,9 @@ class NoTokenizer(RuntimeError):
 
 
 class WarmupServer:
-    """The warm-up worker's reads of one server, through its httpx client.
+    """The warm-up worker's reads of one server, through its httpx client; behind a router, the
+    view is read from each of ``replicas`` (clients of the servers behind it) and merged
+    (:func:`merge_views`): the router would hand a read to one replica only.
 
     Invariant: ``GET /agentkv/v1/stats`` is asked at most every ``stats_interval`` seconds and
     the view (``GET /agentkv/v1/view``, else ``/metrics``) at most every ``metrics_interval``
@@ -160,6 +207,7 @@ class WarmupServer:
         stats_interval: float,
         metrics_interval: float,
         model: str | None,
+        replicas: Sequence[httpx.Client] = (),
     ) -> None:
         self.client = client
         self.errors = errors
@@ -167,8 +215,9 @@ class WarmupServer:
         self.stats_interval = stats_interval
         self.metrics_interval = metrics_interval
         self.model = model
-        self._view: tuple[float, ServerView] | None = None  # (read at, what the server said)
-        self._has_view = True  # False once the server answered 404 on VIEW_PATH
+        self._viewed = tuple(replicas) or (client,)
+        self._view: tuple[float, ServerView] | None = None  # (read at, what the servers said)
+        self._no_view: set[int] = set()  # indexes into _viewed of servers that answered 404 on VIEW_PATH
         self._stats: tuple[float, Mapping[str, Any] | None] | None = None
 
     def stats(self) -> Mapping[str, Any] | None:
@@ -199,22 +248,27 @@ class WarmupServer:
         cached = self._view
         if cached is not None and now - cached[0] < self.metrics_interval:
             return cached[1]
-        view = ServerView()
-        path = VIEW_PATH if self._has_view else "/metrics"
+        view = merge_views([self._read_view(i) for i in range(len(self._viewed))])
+        self._view = (now, view)
+        return view
+
+    def _read_view(self, index: int) -> ServerView:
+        client = self._viewed[index]
+        path = "/metrics" if index in self._no_view else VIEW_PATH
         try:
-            response = self.client.get(path)
+            response = client.get(path)
             if path == VIEW_PATH and response.status_code == 404:
-                self._has_view = False  # not an agentkv server: its /metrics, now and from then on
+                self._no_view.add(index)  # not an agentkv server: its /metrics, now and from then on
                 path = "/metrics"
-                response = self.client.get(path)
+                response = client.get(path)
             response.raise_for_status()
             view = view_of(response.json()) if path == VIEW_PATH else parse_server_view(response.text)
             if view.waiting is None:
                 self.errors.record(f"GET {path}", message="no waiting-request count: the busy gate is off")
+            return view
         except Exception as exc:
             self.errors.record(f"GET {path}", exc)
-        self._view = (now, view)
-        return view
+            return ServerView()
 
     def mark_resident(self, agent: str, blocks: int) -> None:
         """Until the next view, count ``agent``'s anchor (``blocks`` long, or as learned) as resident (just warmed)."""

@@ -13,6 +13,7 @@ from agentkv.bench.serve import prefix_cache_counters
 from agentkv.cluster import Cluster
 from agentkv.frameworks import routing_header, set_routing_key
 from agentkv.protocol import STATS_MAX_AGE, STATS_PATH, AgentTag
+from agentkv.warmup import WarmupCoordinator
 
 from .conftest import BLOCK
 
@@ -78,6 +79,22 @@ def test_warmup_lands_on_the_replica_that_serves_the_predicted_call(cluster):
         real_call = AgentTag("reviewer", "warm-1", "coder", 3)
         hit = _complete(client, anchor + _tokens("history-warm-1", 2 * BLOCK), real_call)
     assert hit >= len(anchor) // BLOCK * BLOCK - BLOCK  # the whole anchor, save a partial last block
+
+
+def test_behind_the_router_the_coordinator_sees_the_anchors_of_every_replica(cluster):
+    """The router hands a view read to one replica; given the replicas, the coordinator reads and
+    merges them all, so an anchor held by either replica is not warmed again (without them, the
+    anchor on the replica the router does not read was missed: no_anchor)."""
+    for i, replica in enumerate(cluster.replica_urls):
+        agent = f"held-{i}-{time.time_ns()}"
+        anchor = _tokens(agent, 6 * BLOCK)
+        with httpx.Client(base_url=replica, timeout=120, trust_env=False) as client:
+            for s in range(3):  # sessions that start with the same anchor: the replica learns its length
+                _complete(client, anchor + _tokens(f"{agent}-{s}", 2 * BLOCK), AgentTag(agent, f"{agent}-{s}"))
+        with WarmupCoordinator(cluster.url, replicas=cluster.replica_urls, timeout=60.0) as coordinator:
+            coordinator.warm(agent)
+            assert coordinator.flush(120)
+        assert coordinator.skipped == {"resident": 1}, (i, coordinator.skipped, coordinator.errors.by_kind)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from agentkv.client import ErrorCounter
 from agentkv.protocol import VIEW_PATH
 from agentkv.warmup import WarmupConfig, WarmupCoordinator, view_of
-from agentkv.warmup._server import WarmupServer, anchor_resident, parse_server_view
+from agentkv.warmup._server import ServerView, WarmupServer, anchor_resident, merge_views, parse_server_view
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -119,3 +119,53 @@ def test_a_malformed_view_is_counted_and_reads_as_unknown():
     view = server.view()
     assert (view.waiting, view.free_blocks, view.anchors) == (None, None, {})
     assert server.errors.by_kind == {f"GET {VIEW_PATH}": 1}
+
+
+def test_behind_a_router_an_anchor_on_any_replica_is_resident_and_the_load_is_the_mean():
+    on_first = view_of({"waiting": 0, "running": 3, "free_blocks": 10, "anchors": {"planner": [4, 4], "coder": [0, 3]},
+                        "predictability": 0.8, "next": {"planner": ["coder", 0.9]}, "block_size": 16,
+                        "warmups": [3, 1]})
+    on_second = view_of({"waiting": 1, "running": 1, "free_blocks": 30, "anchors": {"coder": [3, 3], "planner": [2, 4]},
+                         "predictability": 0.7, "next": {}, "warmups": [1, 0]})
+    unreadable = ServerView()
+    merged = merge_views([on_first, unreadable, on_second])
+    assert merged.resident("planner") is True and merged.resident("coder") is True
+    assert (merged.waiting, merged.running, merged.free_blocks) == (0.5, 2.0, 20)  # the unreadable one says nothing
+    assert merged.outcomes == (4, 1) and merged.survival == 5 / 6
+    assert (merged.predictability, merged.successors, merged.block_size) == (0.8, {"planner": ("coder", 0.9)}, 16)
+    assert merge_views([on_first]) is on_first
+    assert merge_views([on_second, ServerView(anchors={"coder": (1, 3)})]).anchors["coder"] == (3, 3)
+    assert merge_views([unreadable, ServerView()]) == ServerView()
+
+
+def test_behind_a_router_the_view_is_read_from_each_replica_not_the_router():
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(f"{request.url.host}{request.url.path}")
+        if request.url.host == "replica1" and request.url.path == VIEW_PATH:
+            return httpx.Response(404)  # a vanilla replica: its /metrics from then on
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        return httpx.Response(200, json=VIEW)
+
+    def client(host: str) -> httpx.Client:
+        return httpx.Client(transport=httpx.MockTransport(handler), base_url=f"http://{host}")
+
+    now = [0.0]
+    server = WarmupServer(client("router"), ErrorCounter(), lambda: now[0], stats_interval=2.0, metrics_interval=0.5,
+                          model=None, replicas=[client("replica0"), client("replica1")])
+    view = server.view()
+    assert asked == [f"replica0{VIEW_PATH}", f"replica1{VIEW_PATH}", "replica1/metrics"]
+    assert (view.waiting, view.running, view.free_blocks) == (2.5, 2.0, 17)
+    assert view.resident("planner") is True and view.resident("coder") is False
+    now[0] = 1.0
+    server.view()
+    assert asked[3:] == [f"replica0{VIEW_PATH}", "replica1/metrics"] and not server.errors.by_kind
+
+
+def test_replica_urls_are_taken_as_server_roots():
+    assert WarmupCoordinator("http://127.0.0.1:9", replicas="http://127.0.0.1:10/v1/").config.replicas \
+        == ("http://127.0.0.1:10",)
+    assert WarmupCoordinator("http://127.0.0.1:9", replicas=["http://a:1/v1", "http://b:2"]).config.replicas \
+        == ("http://a:1", "http://b:2")

@@ -90,7 +90,9 @@ async def run_rate(
         before = await engine_counters(client, target.engines)
         warmed_before = await engine_warmups(client, target.engines) if target.warmup else None
         previous_key = set_routing_key(target.routing_key)
-        warmup = WarmupCoordinator(target.url, anchors=anchors).start() if target.warmup else None
+        # behind a router the coordinator reads the replicas' views itself (a router hands a read to one)
+        replicas = () if target.setup == "single" else target.engines
+        warmup = WarmupCoordinator(target.url, anchors=anchors, replicas=replicas).start() if target.warmup else None
         t0 = time.perf_counter()
         try:
             await asyncio.gather(*(session(i, at, t0) for i, at in enumerate(arrival_times(rate, sessions, seed))))
