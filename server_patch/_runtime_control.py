@@ -135,7 +135,7 @@ class RuntimeControl:
             "block_size": self.block_size,
             "predictability": round(self.learner.predictability(), 4),
             "next": {agent: [p.agent, round(p.probability, 4)] for agent, p in successors.items()},
-            "warmups": list(self.warmups.survival()),
+            "warmups": list(self.warmups.outcomes()),
         }
 
     def answered_request(self, key: object, tool_call: object) -> dict[str, Any]:

@@ -116,7 +116,7 @@ class WarmupLedger:
             self.counts["wasted"] += 1
             self.wasted[waste] += 1
 
-    def survival(self) -> tuple[int, int]:
+    def outcomes(self) -> tuple[int, int]:
         """(useful, failed) among the latest ``SURVIVAL_WINDOW`` warm-ups whose agent's call hit
         them or that were evicted or missed first: what a warm-up decision weighs its prediction
         by (expired and superseded ones say nothing about surviving to the call)."""

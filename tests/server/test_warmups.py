@@ -188,11 +188,11 @@ def test_survival_is_read_over_the_latest_outcomes_only() -> None:
     for i in range(SURVIVAL_WINDOW):  # a phase under pressure: every warm-up evicted first
         ledger.warmed("coder", [("w", i)], 0, 1)
         ledger.evicted(("w", i))
-    assert ledger.survival() == (0, SURVIVAL_WINDOW)
+    assert ledger.outcomes() == (0, SURVIVAL_WINDOW)
     for i in range(30):  # then room: every warm-up hit by its agent's call
         ledger.warmed("coder", [("u", i)], 0, 1)
         ledger.used("coder", [("u", i)], 1)
     ledger.warmed("coder", [("x", 0)], 0, 1)
     clock.now += DEFAULT_WINDOW + 1  # an expired warm-up says nothing about surviving
-    assert ledger.survival() == (30, SURVIVAL_WINDOW - 30)
+    assert ledger.outcomes() == (30, SURVIVAL_WINDOW - 30)
     assert (ledger.counts["useful"], ledger.wasted["evicted"], ledger.wasted["expired"]) == (30, SURVIVAL_WINDOW, 1)
