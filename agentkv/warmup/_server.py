@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,13 +190,14 @@ class NoTokenizer(RuntimeError):
 
 class WarmupServer:
     """The warm-up worker's reads of one server, through its httpx client; behind a router, the
-    view is read from each of ``replicas`` (clients of the servers behind it) and merged
-    (:func:`merge_views`): the router would hand a read to one replica only.
+    view is read from each of ``replicas`` (clients of the servers behind it) at once, one thread
+    per replica beyond the first, and merged (:func:`merge_views`): the router would hand a read to
+    one replica only, and a decision waits for the slowest replica, not for their sum.
 
     Invariant: ``GET /agentkv/v1/stats`` is asked at most every ``stats_interval`` seconds and
     the view (``GET /agentkv/v1/view``, else ``/metrics``) at most every ``metrics_interval``
     seconds, failures included (a failed read is
-    cached as unknown). Errors are counted in ``errors``, never raised. Used by one thread only.
+    cached as unknown). Errors are counted in ``errors``, never raised. Called from one thread only.
     """
 
     def __init__(
@@ -248,13 +250,30 @@ class WarmupServer:
         cached = self._view
         if cached is not None and now - cached[0] < self.metrics_interval:
             return cached[1]
-        view = merge_views([self._read_view(i) for i in range(len(self._viewed))])
+        view = merge_views(self._read_views())
         self._view = (now, view)
         return view
 
+    def _read_views(self) -> list[ServerView]:
+        """Every replica's view, read concurrently (each read is bounded by its client's timeout)."""
+        views = [ServerView() for _ in self._viewed]
+
+        def read(index: int) -> None:
+            views[index] = self._read_view(index)
+
+        # daemon threads: a replica that hangs must not hold up the interpreter's exit
+        others = [threading.Thread(target=read, args=(i,), name="agentkv-view", daemon=True)
+                  for i in range(1, len(views))]
+        for thread in others:
+            thread.start()
+        read(0)
+        for thread in others:
+            thread.join()
+        return views
+
     def _read_view(self, index: int) -> ServerView:
         client = self._viewed[index]
-        path = "/metrics" if index in self._no_view else VIEW_PATH
+        path = "/metrics" if index in self._no_view else VIEW_PATH  # set.add from a reader thread is atomic
         try:
             response = client.get(path)
             if path == VIEW_PATH and response.status_code == 404:

@@ -1,6 +1,7 @@
 """What the coordinator reads from ``/agentkv/v1/view`` or ``/metrics`` (Prometheus text) and how it is configured."""
 
 import dataclasses
+import threading
 
 import httpx
 import pytest
@@ -156,12 +157,30 @@ def test_behind_a_router_the_view_is_read_from_each_replica_not_the_router():
     server = WarmupServer(client("router"), ErrorCounter(), lambda: now[0], stats_interval=2.0, metrics_interval=0.5,
                           model=None, replicas=[client("replica0"), client("replica1")])
     view = server.view()
-    assert asked == [f"replica0{VIEW_PATH}", f"replica1{VIEW_PATH}", "replica1/metrics"]
+    assert sorted(asked) == [f"replica0{VIEW_PATH}", f"replica1{VIEW_PATH}", "replica1/metrics"]  # read concurrently
     assert (view.waiting, view.running, view.free_blocks) == (2.5, 2.0, 17)
     assert view.resident("planner") is True and view.resident("coder") is False
     now[0] = 1.0
     server.view()
-    assert asked[3:] == [f"replica0{VIEW_PATH}", "replica1/metrics"] and not server.errors.by_kind
+    assert sorted(asked[3:]) == [f"replica0{VIEW_PATH}", "replica1/metrics"] and not server.errors.by_kind
+
+
+def test_the_replicas_views_are_read_at_once_not_one_after_another():
+    # each replica answers only once all three are being read: one after another, the first read
+    # would wait on the barrier until it broke, and every view would read as unknown
+    barrier = threading.Barrier(3, timeout=10)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        barrier.wait()
+        return httpx.Response(200, json=VIEW)
+
+    def client(host: str) -> httpx.Client:
+        return httpx.Client(transport=httpx.MockTransport(handler), base_url=f"http://{host}")
+
+    server = WarmupServer(client("router"), ErrorCounter(), lambda: 0.0, stats_interval=2.0, metrics_interval=0.5,
+                          model=None, replicas=[client(f"replica{i}") for i in range(3)])
+    view = server.view()
+    assert view.resident("planner") is True and not server.errors.by_kind
 
 
 def test_replica_urls_are_taken_as_server_roots():
