@@ -146,8 +146,10 @@ class TapePlan:
 
     @property
     def topology_name(self) -> str | None:
+        """The built-in topology the header's ``workload.topology`` names, when the tape's agents are its
+        agents (a header copied from a generated tape onto other agents names a graph they are not in)."""
         name = self.tape.header.get("workload", {}).get("topology")
-        return name if name in TOPOLOGIES else None
+        return name if name in TOPOLOGIES and set(self.agents()) <= set(AGENTS) else None
 
     def agents(self) -> list[str]:
         return list(dict.fromkeys(r.agent for r in self.requests))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,9 +74,11 @@ def _restarts(tape: Tape) -> int:
 
 
 def candidate_capacities(plan: TapePlan, multipliers: Sequence[float] = DEFAULT_MULTIPLIERS) -> list[int]:
-    """Capacities in blocks: multiples of the tape's largest request (+1 for vLLM's null block), rounded to 10."""
-    return sorted({round(m * plan.max_request_blocks / 10.0) * 10 + 1 for m in multipliers
-                   if m * plan.max_request_blocks >= plan.max_request_blocks})
+    """Capacities in blocks: multiples of the tape's largest request (+1 for vLLM's null block), rounded to
+    10 from 100 blocks on; below that rounded up, so that a tape of small requests keeps its multiples."""
+    largest = plan.max_request_blocks
+    sizes = (m * largest for m in multipliers if m >= 1)
+    return sorted({(round(size / 10.0) * 10 if size >= 100 else math.ceil(size)) + 1 for size in sizes})
 
 
 def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, capacities: Sequence[int] | None = None,

@@ -13,6 +13,7 @@ import pytest
 from agentkv.bench.plan import TapePlan
 from agentkv.bench.policies import POLICIES, AgentKV
 from agentkv.bench.replay import Replay, replay
+from agentkv.bench.sweep import candidate_capacities
 from agentkv.bench.tape import TapeError, read_tape, write_tape
 
 ODD_SHAPES = Path(__file__).parent / "tapes" / "odd-shapes.jsonl"
@@ -118,6 +119,9 @@ BAD_UTF8 = json.dumps(HEADER).encode() + b'\n{"t": 0, "session": "\xff"}\n'
          '"output_tokens": 1, "tool_gap": 0}', "line 2: NaN is not a JSON number"),
         (json.dumps(HEADER) + "\n" + json.dumps(_request(tool_gap=1e400)), "Infinity is not a JSON number"),
         (json.dumps(dict(HEADER, tokens={"offset": 2**70})) + "\n" + json.dumps(_request()), "2\\*\\*31"),
+        (json.dumps(dict(HEADER, version=True)) + "\n" + json.dumps(_request()), "unsupported version True"),
+        (json.dumps(dict(HEADER, tokens={"vocab": 0})) + "\n" + json.dumps(_request()),
+         "tokens.vocab must be an integer >= 1"),
         (json.dumps(HEADER) + "\n" + json.dumps(_request()).replace('"tool_gap": 0', '"tool_gap": 1e400'),
          "finite"),
         (json.dumps(dict(HEADER, graph={"nodes": ["y"], "edges": [], "entry": ["y"]})) + "\n"
@@ -129,11 +133,36 @@ def test_malformed_hand_written_tapes_name_the_problem(text, message):
         read_tape(io.StringIO(text))
 
 
-def test_a_tape_that_is_not_utf8_is_a_tape_error(tmp_path):
+def test_a_tape_that_is_not_utf8_is_a_tape_error_on_the_line_of_the_bad_byte(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(BAD_UTF8)
-    with pytest.raises(TapeError, match="not UTF-8"):
+    with pytest.raises(TapeError, match="tape line 2: not UTF-8"):
         read_tape(path)
+
+
+def test_a_tape_saved_with_a_byte_order_mark_reads_as_without(tmp_path):
+    text = json.dumps(HEADER) + "\n" + json.dumps(_request()) + "\n"
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "marked.jsonl"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert read_tape(marked) == read_tape(plain)
+
+
+def test_a_header_naming_a_builtin_topology_over_other_agents_replays_on_its_own_agents():
+    # a header copied from a generated tape onto another app's agents: the topology's graph holds none of them
+    plan = _plan(dict(HEADER, workload={"topology": "pipeline"}), _request(agent="alpha"),
+                 _request(t=1.0, agent="beta", parent="alpha"))
+    assert plan.topology_name is None and plan.declared_graph() == {a: {"alpha", "beta"} for a in ("alpha", "beta")}
+    for name in ("kvflow", "agentkv+facts", "agentkv+warmup"):
+        assert replay(plan, name, 16).requests == 2
+
+
+def test_a_tape_of_small_requests_keeps_its_capacity_multiples():
+    plan = _plan(HEADER, _request(segments=[["anchor/x", 8], ["s/x", 2]]),
+                 _request(t=1.0, segments=[["anchor/x", 8]]))
+    assert plan.max_request_blocks == 1
+    # 2, 2, 3 and 5 blocks (rounded up), + the null block
+    assert candidate_capacities(plan, (1.5, 2.0, 3.0, 5.0)) == [3, 4, 6]
 
 
 @pytest.mark.parametrize(

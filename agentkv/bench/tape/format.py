@@ -174,8 +174,9 @@ def _fail(line: int, message: str) -> TapeError:
 def _check_header(header: object) -> dict[str, Any]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise _fail(1, f"header must be an object with format {FORMAT!r}")
-    if header.get("version") != VERSION:
-        raise _fail(1, f"unsupported version {header.get('version')!r} (this reader: {VERSION})")
+    version = header.get("version")
+    if isinstance(version, bool) or version != VERSION:  # true == 1 in Python, not in a tape
+        raise _fail(1, f"unsupported version {version!r} (this reader: {VERSION})")
     block_size = header.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise _fail(1, "block_size must be a positive integer")
@@ -184,8 +185,9 @@ def _check_header(header: object) -> dict[str, Any]:
         raise _fail(1, "tokens must be an object")
     for name in ("vocab", "offset"):
         value = tokens.get(name, 1)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "vocab" else 0):
-            raise _fail(1, f"tokens.{name} must be a non-negative integer")
+        least = 1 if name == "vocab" else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise _fail(1, f"tokens.{name} must be an integer >= {least}")
     if tokens.get("vocab", DEFAULT_VOCAB) + tokens.get("offset", DEFAULT_OFFSET) > MAX_TOKEN_ID + 1:
         raise _fail(1, f"token ids must stay below 2**31 (tokens.vocab + tokens.offset <= {MAX_TOKEN_ID + 1})")
     if not isinstance(header.get("workload", {}), dict):
@@ -254,11 +256,11 @@ def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
                        obj["output_tokens"], float(obj["tool_gap"]), step, output, abandoned)
 
 
-def read_tape(path: str | Path | TextIO) -> Tape:
-    """Read and validate a tape (a path or an open text file)."""
+def read_tape(path: str | Path | TextIO | Iterable[str]) -> Tape:
+    """Read and validate a tape (a path, an open text file or its lines)."""
     if isinstance(path, (str, Path)):
-        with open(path, encoding="utf-8") as handle:
-            return read_tape(handle)
+        with open(path, "rb") as handle:
+            return read_tape(_utf8_lines(handle))
     header: dict[str, Any] | None = None
     requests: list[TapeRequest] = []
     ids: set[str] = set()
@@ -286,6 +288,17 @@ def read_tape(path: str | Path | TextIO) -> Tape:
         raise TapeError("empty tape: no header line")
     _check_graph_agents(header, requests)
     return Tape(header, requests)
+
+
+def _utf8_lines(handle: Iterable[bytes]) -> Iterable[str]:
+    """The lines of a tape file decoded one by one, so that a bad byte is reported on its line;
+    a leading byte-order mark (some editors write one) is dropped."""
+    for number, raw in enumerate(handle, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _fail(number, f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
+        yield line.removeprefix("\ufeff") if number == 1 else line
 
 
 def _reject_constant(name: str) -> float:
