@@ -55,11 +55,18 @@ def tape_names(paths: Sequence[str], names: Sequence[str]) -> list[str]:
     by their file with a count where those are alike too."""
     shared = {name for name in names if names.count(name) > 1}
     chosen = [Path(path).stem if name in shared else name for path, name in zip(paths, names, strict=True)]
-    seen: dict[str, int] = {}
+    taken = {name for name in chosen if chosen.count(name) == 1}
+    counts: dict[str, int] = {}
     out = []
     for name in chosen:
-        seen[name] = seen.get(name, 0) + 1
-        out.append(name if chosen.count(name) == 1 else f"{name}-{seen[name]}")
+        if name not in taken:
+            count = counts.get(name, 0) + 1
+            while f"{name}-{count}" in taken:  # another tape's own name already reads so
+                count += 1
+            counts[name] = count
+            name = f"{name}-{count}"
+            taken.add(name)
+        out.append(name)
     return out
 
 

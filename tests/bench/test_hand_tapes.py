@@ -232,6 +232,8 @@ def test_tapes_without_names_replay_together_named_by_their_files(tmp_path):
         path.write_text(text, encoding="utf-8")
     assert tape_names([str(p) for p in paths], ["tape"] * 3) == ["a-1", "b", "a-2"]
     assert tape_names(["x.jsonl", "y.jsonl"], ["mine", "tape"]) == ["mine", "tape"]  # distinct names stay
+    # a third tape's own name reads like a count: the counts go past it
+    assert tape_names(["a/x.jsonl", "b/x.jsonl", "c.jsonl"], ["x", "x", "x-1"]) == ["x-2", "x-3", "x-1"]
     main(["bench", "replay", *map(str, paths), "--policies", "lru,agentkv", "--capacities", "8", "--jobs", "1",
           "--quiet", "--out", str(tmp_path / "out")])
     report = json.loads((tmp_path / "out" / "replay.json").read_text())
