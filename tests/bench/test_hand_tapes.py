@@ -239,3 +239,11 @@ def test_tapes_without_names_replay_together_named_by_their_files(tmp_path):
     report = json.loads((tmp_path / "out" / "replay.json").read_text())
     assert [t["name"] for t in report["tapes"]] == ["a-1", "b", "a-2"]
     assert {r["tape"] for r in report["results"]} == {"a-1", "b", "a-2"} and len(report["results"]) == 9
+
+
+def test_a_tape_without_steps_counts_a_tool_loop_as_one_dispatch():
+    agents = ["a", "a", "b", "a"]  # a's tool loop, then b, then a again
+    plain = _plan(HEADER, *(_request(t=float(i), agent=agent) for i, agent in enumerate(agents)))
+    stepped = _plan(HEADER, *(_request(t=float(i), agent=agent, step=step)
+                              for i, (agent, step) in enumerate(zip(agents, [0, 0, 1, 2], strict=True))))
+    assert plain.tape.summary()["dispatches"] == stepped.tape.summary()["dispatches"] == 3

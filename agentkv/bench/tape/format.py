@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -156,7 +156,7 @@ class Tape:
         return {
             "requests": len(self.requests),
             "sessions": len(sessions),
-            "dispatches": sum(len({r.step for r in rs}) for rs in sessions.values()),
+            "dispatches": sum(_dispatches(rs) for rs in sessions.values()),
             "prompt_tokens": prompt,
             "anchor_share": anchor / prompt if prompt else 0.0,
             "predictability": measured_predictability(self),
@@ -165,6 +165,18 @@ class Tape:
             "duration_s": max((r.t for r in self.requests), default=0.0),
             "abandoned_sessions": sum(1 for r in self.requests if r.abandoned),
         }
+
+
+def _dispatches(session: Sequence[TapeRequest]) -> int:
+    """A session's dispatches: a request opens one when its step differs from the previous request's,
+    or, without a step, its agent does (a tool loop's calls are one dispatch, as the server implies)."""
+    count, previous = 0, None
+    for request in session:
+        if previous is None or (request.agent != previous.agent if request.step is None
+                                else request.step != previous.step):
+            count += 1
+        previous = request
+    return count
 
 
 def _fail(line: int, message: str) -> TapeError:
