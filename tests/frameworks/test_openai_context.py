@@ -137,11 +137,17 @@ def test_session_is_inherited_and_ids_are_sanitized(server, session):
         with agentkv.agent("my agent/ü"):
             _ask(client)
     agent, sess, parent, step = server.requests[0].tag
-    assert agent == "my_agent/_" and sess == session and parent == "" and step == 1
+    assert agent == sanitize_id("my agent/ü") and agent.startswith("my_agent/_-") and sess == session
+    assert parent == "" and step == 1
     long = "x" * 300
     assert len(sanitize_id(long)) == 128 and validate_id(sanitize_id(long), "t")
     assert sanitize_id(long) != sanitize_id("x" * 299)
     assert sanitize_id("") == "_" and sanitize_id("ok.id:1@a/b-c") == "ok.id:1@a/b-c"
+    assert sanitize_id("Research Agent") == "Research_Agent"
+    # names in another script would all read "___": each keeps its own id, and stays valid
+    chinese = [sanitize_id(name) for name in ("研究员", "审稿人", "研究员" * 60)]
+    assert len(set(chinese)) == 3 and all(validate_id(i, "t") for i in chinese)
+    assert all(sanitize_id(i) == i for i in chinese)
 
 
 def test_no_session_means_no_lineage(server):
