@@ -247,3 +247,12 @@ def test_a_tape_without_steps_counts_a_tool_loop_as_one_dispatch():
     stepped = _plan(HEADER, *(_request(t=float(i), agent=agent, step=step)
                               for i, (agent, step) in enumerate(zip(agents, [0, 0, 1, 2], strict=True))))
     assert plain.tape.summary()["dispatches"] == stepped.tape.summary()["dispatches"] == 3
+
+
+def test_a_graph_may_name_the_agents_as_they_are_sent():
+    graph = {"nodes": ["Research_Agent", "Writer"], "edges": [["Research_Agent", "Writer"]],
+             "entry": ["Research_Agent"]}
+    plan = _plan(dict(HEADER, graph=graph), _request(agent="Research Agent"),
+                 _request(t=1.0, agent="Writer", parent="Research Agent"))
+    assert plan.declared_graph() == {"Research_Agent": {"Writer"}, "Writer": set()}
+    assert replay(plan, "kvflow", 16).requests == 2

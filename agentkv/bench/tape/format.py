@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from agentkv.client import sanitize_id
 from agentkv.graph import TransitionLearner
 
 __all__ = [
@@ -332,12 +333,13 @@ def _append_request(request: TapeRequest, number: int, requests: list[TapeReques
 
 
 def _check_graph_agents(header: dict[str, Any], requests: list[TapeRequest]) -> None:
-    """A declared graph names every agent of the tape (its nodes are the app's agents)."""
+    """A declared graph names every agent of the tape (its nodes are the app's agents), compared as the
+    clients send them (a node ``Research_Agent`` is the agent ``Research Agent``)."""
     graph = header.get("graph")
     if graph is None:
         return
-    nodes = set(graph["nodes"])
-    missing = sorted({r.agent for r in requests} - nodes)
+    nodes = {sanitize_id(node) for node in graph["nodes"]}
+    missing = sorted({r.agent for r in requests if sanitize_id(r.agent) not in nodes})
     if missing:
         raise _fail(1, f"graph.nodes must list every agent of the tape; missing {missing[:5]}"
                        + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
