@@ -339,7 +339,7 @@ def _check_graph_agents(header: dict[str, Any], requests: list[TapeRequest]) -> 
     if graph is None:
         return
     nodes = {sanitize_id(node) for node in graph["nodes"]}
-    missing = sorted({r.agent for r in requests if sanitize_id(r.agent) not in nodes})
+    missing = sorted(agent for agent in {r.agent for r in requests} if sanitize_id(agent) not in nodes)
     if missing:
         raise _fail(1, f"graph.nodes must list every agent of the tape; missing {missing[:5]}"
                        + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
