@@ -256,3 +256,11 @@ def test_a_graph_may_name_the_agents_as_they_are_sent():
                  _request(t=1.0, agent="Writer", parent="Research Agent"))
     assert plan.declared_graph() == {"Research_Agent": {"Writer"}, "Writer": set()}
     assert replay(plan, "kvflow", 16).requests == 2
+
+
+def test_a_session_id_may_start_a_new_conversation_after_an_abandoned_one():
+    plan = _plan(HEADER, _request(abandoned=True), _request(t=1.0, agent="y"),
+                 _request(t=2.0, agent="x", parent="y", abandoned=True))
+    assert plan.tape.summary()["abandoned_sessions"] == 2
+    for policy in ("lru", "agentkv", "kvflow", "belady"):
+        assert replay(plan, policy, 16).requests == 3

@@ -277,7 +277,7 @@ def read_tape(path: str | Path | TextIO | Iterable[str]) -> Tape:
     header: dict[str, Any] | None = None
     requests: list[TapeRequest] = []
     ids: set[str] = set()
-    ended: dict[str, int] = {}  # session -> line of its request marked abandoned
+    ended: dict[str, int] = {}  # session -> line of its conversation's request marked abandoned
     last_t = 0.0
     number = 0
     try:
@@ -325,7 +325,9 @@ def _append_request(request: TapeRequest, number: int, requests: list[TapeReques
     if request.id in ids:
         raise _fail(number, f"duplicate id {request.id!r}")
     if request.session in ended:
-        raise _fail(ended[request.session], "abandoned marks a request that is not its session's last")
+        if request.parent != "":  # a session id may start a new conversation after an abandoned one
+            raise _fail(ended[request.session], "abandoned marks a request that is not its conversation's last")
+        del ended[request.session]
     if request.abandoned:
         ended[request.session] = number
     ids.add(request.id)
