@@ -34,16 +34,20 @@ class _AgentKVMixin:
         super().__init__(*args, **kwargs)
         result = gate()
         config = RuntimeConfig.from_env()
+        # On a vLLM the gate could not verify (opted into LRU) nothing of vLLM's is wrapped or read,
+        # so that a missing seam cannot break the engine; nothing is learned, restored or saved either.
+        self._agentkv_hooked = result.enabled
         if not result.enabled:
-            config = dataclasses.replace(config, enabled=False)
+            config = dataclasses.replace(config, enabled=False, snapshot_path=None)
         elif config.enabled and not self.kv_cache_manager.enable_caching:  # type: ignore[attr-defined]
             # --no-enable-prefix-caching: no block is ever reused, so there is no order to choose
             logger.warning("agentkv: prefix caching is off; eviction stays vLLM's own (nothing is reused)")
             config = dataclasses.replace(config, enabled=False)
         self.agentkv = AgentKVRuntime(config, background=True)  # no step waits for a table rebuild
-        self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
-        # read under the runtime's lock, which every scheduler entry point holds too
-        self.agentkv.queue_lengths = lambda: (len(self.waiting), len(self.running))  # type: ignore[attr-defined]
+        if self._agentkv_hooked:
+            self.agentkv.install(self.kv_cache_manager)  # type: ignore[attr-defined]
+            # read under the runtime's lock, which every scheduler entry point holds too
+            self.agentkv.queue_lengths = lambda: (len(self.waiting), len(self.running))  # type: ignore[attr-defined]
         self._agentkv_control = ControlServer(control_endpoint(os.getppid()), self.agentkv.handle)
         self._agentkv_saver = (
             PeriodicSave(self.agentkv.save_if_changed, config.snapshot_interval)
@@ -59,12 +63,14 @@ class _AgentKVMixin:
 
     def add_request(self, request: Any) -> None:
         with self.agentkv.lock:
-            self.agentkv.on_add_request(request)
+            if self._agentkv_hooked:
+                self.agentkv.on_add_request(request)
             super().add_request(request)  # type: ignore[misc]
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         with self.agentkv.lock:
-            self.agentkv.refresh()
+            if self._agentkv_hooked:
+                self.agentkv.refresh()
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:

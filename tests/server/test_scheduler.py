@@ -162,6 +162,31 @@ def test_without_prefix_caching_eviction_stays_vllms_own(make, control):
     assert set(stats["transitions"]["supervisor"]) == {"coder"}
 
 
+def test_on_a_vllm_the_gate_refuses_the_opted_in_fallback_leaves_vllm_untouched(make, control, monkeypatch,
+                                                                                 tmp_path):
+    """``AGENTKV_ALLOW_LRU_FALLBACK=1`` on a vLLM the gate has not verified: no method of vLLM's is
+    wrapped (one missing there must not break the engine), eviction is vLLM's own, nothing is
+    learned, and a snapshot learned before is neither read nor overwritten."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    monkeypatch.setenv("AGENTKV_ALLOW_LRU_FALLBACK", "1")
+    snapshot = tmp_path / "learned.json"
+    snapshot.write_text("kept as it was")
+    monkeypatch.setenv("AGENTKV_SNAPSHOT", str(snapshot))
+    vanilla = replay(make(Scheduler, NUM_BLOCKS), 1, None, 3)
+    scheduler = make(AgentKVScheduler, NUM_BLOCKS)
+    manager = scheduler.kv_cache_manager
+    assert type(manager.block_pool.free_block_queue) is FreeKVCacheBlockQueue
+    assert not {"cache_full_blocks", "reset_prefix_cache"} & set(vars(manager.block_pool))
+    assert not {"get_computed_blocks", "record_prefix_cache_stats", "free"} & set(vars(manager))
+    assert replay(scheduler, 1, None, 3) == vanilla
+    stats = ask_blocking(control, {"op": "stats"})
+    assert stats["enabled"] is False and stats["policy"] == "lru" and stats["dispatches"] == 0
+    scheduler.shutdown()
+    assert snapshot.read_text() == "kept as it was"
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_view_reads_the_schedulers_queues(make, control, kind):
     scheduler = make(KINDS[kind][0], 64)
