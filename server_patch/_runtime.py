@@ -277,8 +277,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
                 queue.rescore_partition(tag.session)
         elif not tag.warmup:  # no session sent, none recognized: a session of one call
             self.timing.call_outside_session(self.clock())
-        if tag.session is not None and self.facts.is_ended(tag.session):
-            self.facts.start_session(tag.session)  # a tagged request revives an ended session id
+        if tag.session is not None and not tag.warmup and self.facts.is_ended(tag.session):
+            self.facts.start_session(tag.session)  # a tagged call (not a warm-up) revives an ended session id
         self.learner.observe(tag.agent, tag.session, tag.parent, step=step, warmup=tag.warmup)
 
     def refresh(self) -> None:

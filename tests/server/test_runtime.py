@@ -203,6 +203,18 @@ def test_ended_session_history_is_evicted_before_live_history():
     assert runtime.stats()["evictions"]["retired"] == 2
 
 
+def test_a_warmup_naming_an_ended_session_does_not_revive_it():
+    kv = manager(16)
+    runtime = AgentKVRuntime()
+    runtime.install(kv)
+    run(kv, runtime, request([*anchor("coder"), 1, 2, 3], AgentTag("coder", "s", "")))
+    runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": "s"}]})
+    run(kv, runtime, request(anchor("coder"), AgentTag("coder", "s", warmup=True)))
+    assert runtime.facts.is_ended("s")
+    run(kv, runtime, request([*anchor("coder"), 1, 2, 3, 4], AgentTag("coder", "s", "coder")))  # a call does
+    assert not runtime.facts.is_ended("s")
+
+
 def test_events_are_validated_and_idempotent():
     runtime = AgentKVRuntime()
     assert runtime.apply_events({"version": 1, "events": [{"type": "explode"}]})["status"] == 400
