@@ -74,6 +74,41 @@ def _failing_app() -> Any:
     return g.compile()
 
 
+def _two_step_app() -> Any:
+    from langgraph.graph import START, StateGraph
+
+    from .test_langgraph import Notes
+
+    g = StateGraph(Notes)
+    g.add_node("first", lambda state: {"notes": ["first"]})
+    g.add_node("second", lambda state: {"notes": ["second"]})
+    g.add_edge(START, "first")
+    g.add_edge("first", "second")
+    return g.compile()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_abandoned_stream_cancels_its_session(mode):
+    thread = thread_id()
+    with EventsServer() as events:
+        app = instrument(_two_step_app(), events_url=events.url)
+        if mode == "sync":
+            stream = app.stream({"notes": []}, cfg(thread))
+            next(stream)  # the caller reads the first step and walks away
+            stream.close()
+        else:
+            async def read_one() -> None:
+                stream = app.astream({"notes": []}, cfg(thread))
+                await anext(stream)
+                await stream.aclose()
+
+            asyncio.run(read_one())
+        assert app.sink.flush(5)
+        kinds = [(e["type"], e.get("session")) for e in events.events()]
+    assert ("session_start", thread) in kinds and ("cancel", thread) in kinds
+    assert ("session_end", thread) not in kinds
+
+
 def test_server_down_never_affects_the_app(caplog):
     server = FakeOpenAI()
     thread = thread_id()
