@@ -96,6 +96,18 @@ def test_deeply_nested_agentkv_bodies_are_400(client, path):
     assert response.status_code == 400
 
 
+@pytest.mark.parametrize(("path", "limit"), [(EVENTS_PATH, 1 << 20), (MERGE_PATH, 4 << 20)])
+def test_agentkv_bodies_above_their_size_limit_are_413(client, path, limit):
+    body = b'{"version": 1, "pad": "' + b"x" * limit + b'"}'
+    response = client.post(path, content=body, headers={**AUTH, "content-type": "application/json"})
+    assert response.status_code == 413
+    assert f"larger than {limit} bytes" in response.json()["error"]["message"]
+    assert client.get(STATS_PATH, headers=AUTH).status_code == 200  # and the server serves on
+    within = b'{"version": 1, "pad": "' + b"x" * (limit - 100) + b'"}'
+    response = client.post(path, content=within, headers={**AUTH, "content-type": "application/json"})
+    assert response.status_code == 400  # read and judged: not a document of that route
+
+
 def test_deeply_nested_completion_bodies_are_400(client):
     body = '{"model":"tiny","max_tokens":1,"prompt":"hi","extra":' + "[" * 2000 + "]" * 2000 + "}"
     tagged = client.post("/v1/chat/completions", content=body,
@@ -173,6 +185,8 @@ def test_peers_graph_facts_and_agent_lists_stay_bounded(server, client):
     assert len(stats["sessions"]["current"]) <= LISTED_AGENTS
     metrics = client.get("/metrics").text
     assert sum(1 for line in metrics.splitlines() if line.startswith("agentkv_survival{")) <= LISTED_AGENTS + 1
+    # the stats (behind the API key) list recent sessions; the unauthenticated /metrics never names one
+    assert "flood-39" in json.dumps(stats["sessions"]) and "flood-" not in metrics
 
 
 def _raw_post(server: VLLMServer, path: str, header_lines: list[str], body: dict) -> int:
