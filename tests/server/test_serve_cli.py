@@ -65,6 +65,23 @@ def test_flags_become_the_servers_environment_and_the_rest_goes_to_vllm():
                    "AGENTKV_PEERS": "http://127.0.0.1:8001/,http://127.0.0.1:8002"}
 
 
+def test_the_tuning_flags_reach_the_engines_settings():
+    """What ``agentkv serve --agentkv-...`` sets is what the engine's runtime reads, field by field."""
+    from server_patch._config import RuntimeConfig
+
+    env: dict[str, str] = {}
+    take_agentkv_flags(["--agentkv-horizon", "6", "--agentkv-r-min", "0.3", "--agentkv-refresh-interval", "0.25",
+                        "--agentkv-decay", "0.01", "--agentkv-peer-weight", "2", "--agentkv-max-peers", "5",
+                        "--agentkv-stats-top-agents", "7", "--agentkv-snapshot-interval", "9",
+                        "--agentkv-recognize", "off", "--agentkv-enabled", "0"], env)
+    check_environment(env)
+    config = RuntimeConfig.from_env(env)
+    assert (config.reuse.steps, config.reuse.r_min, config.refresh_interval, config.decay) == (6, 0.3, 0.25, 0.01)
+    assert (config.peer_weight, config.max_peers, config.listed_agents, config.snapshot_interval) == (2.0, 5, 7, 9.0)
+    assert config.recognize is False and config.enabled is False
+    assert RuntimeConfig.from_env({}) == RuntimeConfig(replica=RuntimeConfig.from_env({}).replica)
+
+
 def test_the_flag_wins_over_the_variable_and_a_set_variable_is_the_fallback():
     env = {"AGENTKV_DECAY": "0.5", "AGENTKV_R_MIN": "0.3"}
     take_agentkv_flags(["--agentkv-decay", "0.01"], env)
