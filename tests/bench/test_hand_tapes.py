@@ -264,3 +264,18 @@ def test_a_session_id_may_start_a_new_conversation_after_an_abandoned_one():
     assert plan.tape.summary()["abandoned_sessions"] == 2
     for policy in ("lru", "agentkv", "kvflow", "belady"):
         assert replay(plan, policy, 16).requests == 3
+
+
+def test_names_that_sanitize_alike_are_one_agent_and_the_replay_says_so(caplog):
+    plan = _plan(HEADER, _request(agent="Research Agent"), _request(t=1.0, agent="Research_Agent"),
+                 _request(t=2.0, agent="Writer", parent="Research Agent"))
+    assert {r.agent for r in plan.requests} == {"Research_Agent", "Writer"}
+    assert "1 agent or session ids outside the wire alphabet" in caplog.text
+    assert "1 of them now equal another id" in caplog.text
+
+
+def test_unknown_fields_of_a_request_line_are_ignored():
+    plain = _plan(HEADER, _request(), _request(t=1.0, agent="y"))
+    extra = _plan(HEADER, _request(latency_ms=12, meta={"user": "u"}), _request(t=1.0, agent="y", note=None))
+    assert extra.tape.requests == plain.tape.requests
+    assert replay(extra, "agentkv", 16).hit_tokens == replay(plain, "agentkv", 16).hit_tokens

@@ -287,6 +287,7 @@ _LINE = {"session": "a", "agent": "x", "parent": "", "segments": [["k", 2]], "ou
         ([_HEADER, {**_LINE, "t": 0.0, "abandoned": True}, {**_LINE, "t": 1.0, "parent": "x"}],
          "not its conversation's last"),
         ([_HEADER, {**_LINE, "t": 0.0, "abandoned": "yes"}], "abandoned must be"),
+        ([_HEADER, {**_LINE, "t": 0.0, "id": "q"}, {**_LINE, "t": 1.0, "id": "q"}], "line 3: duplicate id 'q'"),
         ([_HEADER, {**_LINE, "t": 0.0, "segments": [["k", 2**20 - 4], ["q", 4]]}], "at most 1,048,576"),
         ([{**_HEADER, "graph": {"nodes": ["x"], "edges": [["x", "y"]]}}], "only name graph.nodes"),
         ([{**_HEADER, "graph": {"nodes": "x"}}], "graph must be"),
