@@ -46,6 +46,7 @@ from ._answers import AnswerWatch
 from ._config import recognition_on
 from ._control import ControlUnavailable, ask, ask_blocking, control_endpoint, remove_socket_file
 from ._guard import ApiKeyGuard, BodyError, parse_json
+from ._logging import configure_logging
 from ._metrics import render_metrics
 
 __all__ = ["AgentKVMiddleware"]
@@ -77,6 +78,7 @@ class AgentKVMiddleware:
     read) without it."""
 
     def __init__(self, app: ASGIApp) -> None:
+        configure_logging()
         self.app = app
         self.strict = os.environ.get("AGENTKV_STRICT") == "1"
         self.recognize = recognition_on()

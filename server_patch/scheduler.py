@@ -17,6 +17,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ._compat import gate
 from ._control import ControlServer, control_endpoint
+from ._logging import configure_logging
 from ._persist import PeriodicSave
 from ._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -32,6 +33,7 @@ class _AgentKVMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        configure_logging()
         result = gate()
         config = RuntimeConfig.from_env()
         # On a vLLM the gate could not verify (opted into LRU) nothing of vLLM's is wrapped or read,

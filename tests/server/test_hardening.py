@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from agentkv.launcher import free_port
 from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_MAX_AGE, STATS_PATH, VIEW_PATH
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
@@ -26,6 +27,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LISTED_AGENTS = 5
 MAX_PEERS = 8
 COMPLETION = {"model": "tiny", "prompt": [11, 12, 13, 14], "max_tokens": 1, "temperature": 0}
+GONE_PEER = f"http://127.0.0.1:{free_port()}"  # a replica that is down: nothing listens there
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         num_gpu_blocks=81,
         module="agentkv.serve",
         extra_args=["--api-key", KEY],
-        env={"AGENTKV_STATS_TOP_AGENTS": str(LISTED_AGENTS), "AGENTKV_MAX_PEERS": str(MAX_PEERS)},
+        env={"AGENTKV_STATS_TOP_AGENTS": str(LISTED_AGENTS), "AGENTKV_MAX_PEERS": str(MAX_PEERS),
+             "AGENTKV_PEERS": GONE_PEER, "AGENTKV_SYNC_INTERVAL": "0.5"},
     )
     with VLLMServer(spec, log_path=tmp_path_factory.mktemp("hardening") / "vllm.log") as running:
         yield running
@@ -84,6 +87,17 @@ def test_the_key_is_accepted_in_the_header_forms_vllm_accepts(client):
 def test_an_unauthenticated_bad_tag_gets_401_not_400(client):
     response = client.post("/v1/completions", json=COMPLETION, headers={"X-AgentKV-Agent": "bad agent"})
     assert response.status_code == 401
+
+
+def test_a_peer_that_is_down_is_counted_and_logged_once_and_the_server_serves_on(server, client):
+    deadline = time.monotonic() + 30
+    while _stats(client).get("peer_sync_failures", {}).get(GONE_PEER, 0) < 2:
+        assert time.monotonic() < deadline, "the failing pulls were not counted"
+        time.sleep(0.5)
+    assert client.post("/v1/completions", json=COMPLETION, headers=AUTH).status_code == 200
+    log = server.log_path.read_text()
+    assert log.count(f"cannot merge learned counts from {GONE_PEER}") == 1
+    assert "agentkv: survival-scored eviction enabled on vLLM" in log  # the engine's start-up line, too
 
 
 @pytest.mark.parametrize("path", [EVENTS_PATH, MERGE_PATH])
