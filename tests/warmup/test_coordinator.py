@@ -135,16 +135,26 @@ def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Cloc
     assert stats["anchors"][coder]["stable"] is True
 
 
+@pytest.mark.parametrize("given", ["argument", "VLLM_API_KEY"])
 def test_every_request_of_the_coordinator_carries_the_api_key(
-        fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str) -> None:
+        fake: FakeVLLM, clock: Clock, client: OpenAI, run_id: str, monkeypatch: pytest.MonkeyPatch,
+        given: str) -> None:
     planner, coder = f"planner-{run_id}", f"coder-{run_id}"
-    with make(fake, clock, api_key="secret") as coord:
+    if given == "VLLM_API_KEY":  # the default, as for vLLM's own server
+        monkeypatch.setenv("VLLM_API_KEY", "secret")
+        config = {}
+    else:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        config = {"api_key": "secret"}
+    with make(fake, clock, **config) as coord:
         session(client, coord, clock, [planner, coder], f"a-{run_id}")
         fake.evict_all()
         session(client, coord, clock, [planner, coder], f"b-{run_id}")
     assert len(fake.warmups()) == 1
-    mine = [c for c in fake.calls if c.headers.get("x-agentkv-warmup") == "1" or c.path.startswith("/agentkv")]
-    assert mine and all(c.headers.get("authorization") == "Bearer secret" for c in mine)
+    # everything but the app's own calls: warm-ups, the view, stats, /metrics, /tokenize
+    mine = [c for c in fake.calls if c.headers.get("x-agentkv-warmup") == "1" or not c.path.startswith("/v1/")]
+    assert {c.path for c in mine} >= {"/v1/completions", "/agentkv/v1/view"}
+    assert all(c.headers.get("authorization") == "Bearer secret" for c in mine)
 
 
 def test_warms_in_the_tool_step_once_the_model_answered(
