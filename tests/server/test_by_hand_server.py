@@ -1,0 +1,40 @@
+"""The documented by-hand start (docs/server.md, "By hand"): vLLM's own OpenAI server with the
+scheduler and the middleware on its command line and no ``AGENTKV_CONTROL``, so that both sides
+derive the control socket from the API server's pid."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentkv.protocol import STATS_PATH, AgentTag
+from agentkv.testing.vllm_server import ServerSpec, VLLMServer
+from server_patch import MIDDLEWARE, SCHEDULER
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("AGENTKV_CONTROL", raising=False)
+        spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81,
+                          extra_args=["--scheduler-cls", SCHEDULER, "--middleware", MIDDLEWARE])
+        with VLLMServer(spec, log_path=tmp_path_factory.mktemp("by-hand") / "vllm.log") as running:
+            yield running
+
+
+def test_without_agentkv_control_both_sides_find_each_other(server: VLLMServer) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
+        for number, agent in enumerate(("planner", "coder")):
+            tag = AgentTag(agent, "s", "" if number == 0 else "planner")
+            body = {"model": "tiny", "prompt": [11, 12, 13, 14], "max_tokens": 1}
+            assert client.post("/v1/completions", json=body, headers=tag.to_headers()).status_code == 200
+        stats = client.get(STATS_PATH)
+    assert stats.status_code == 200, stats.text  # the middleware reached the engine's control socket
+    learned = stats.json()
+    after_planner = learned["transitions"]["planner"]
+    assert learned["dispatches"] == 2 and max(after_planner, key=after_planner.get) == "coder"
