@@ -196,3 +196,25 @@ def test_survival_is_read_over_the_latest_outcomes_only() -> None:
     clock.now += DEFAULT_WINDOW + 1  # an expired warm-up says nothing about surviving
     assert ledger.outcomes() == (30, SURVIVAL_WINDOW - 30)
     assert (ledger.counts["useful"], ledger.wasted["evicted"], ledger.wasted["expired"]) == (30, SURVIVAL_WINDOW, 1)
+
+
+def test_a_warmup_replaced_by_a_newer_one_is_superseded_and_says_nothing_about_survival() -> None:
+    ledger = WarmupLedger(Clock())
+    ledger.warmed("coder", [("old", 0)], 0, 1)
+    ledger.warmed("coder", [("new", 0)], 0, 1)  # the agent's prompt changed before its call came
+    ledger.used("coder", [("new", 0)], 1)
+    assert ledger.outcomes() == (1, 0)  # the decision's survival counts the useful one only
+    stats = ledger.stats()
+    assert (stats["sent"], stats["useful"], stats["wasted"], stats["pending"]) == (2, 1, 1, 0)
+    assert stats["wasted_by"]["superseded"] == 1
+    ledger.evicted(("old", 0))  # the replaced warm-up's blocks no longer settle anything
+    assert ledger.stats()["wasted"] == 1
+
+
+def test_the_view_lists_the_64_agents_seen_most_recently() -> None:
+    runtime, kv = setup()
+    for number in range(80):  # an app of many agents: each calls once
+        run(kv, runtime, request([*range(700_000 + number * 100, 700_000 + number * 100 + BS), 7],
+                                 AgentTag(f"agent-{number:02d}", f"m{number}")))
+    anchors = runtime.view()["anchors"]
+    assert set(anchors) == {f"agent-{number:02d}" for number in range(16, 80)}  # coder and 00-15 left out
