@@ -188,3 +188,15 @@ def test_replica_urls_are_taken_as_server_roots():
         == ("http://127.0.0.1:10",)
     assert WarmupCoordinator("http://127.0.0.1:9", replicas=["http://a:1/v1", "http://b:2"]).config.replicas \
         == ("http://a:1", "http://b:2")
+
+
+@pytest.mark.server
+def test_a_plain_vllm_is_read_through_its_own_metrics(vanilla_server):
+    """Against a real vLLM without agentkv: no view (404), so the load comes from vLLM's own
+    ``/metrics``; nothing there says where anchors are, which blocks no warm-up."""
+    with httpx.Client(base_url=vanilla_server.base_url, timeout=10, trust_env=False) as client:
+        server = WarmupServer(client, ErrorCounter(), lambda: 0.0, stats_interval=2.0, metrics_interval=0.5,
+                              model=None)
+        view = server.view()
+    assert (view.waiting, view.running) == (0.0, 0.0) and view.free_blocks is None
+    assert view.resident("coder") is None and not server.errors.by_kind
