@@ -6,11 +6,14 @@ tagged completions afterwards.
 
 from __future__ import annotations
 
+import http.server
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import psutil
@@ -30,15 +33,38 @@ COMPLETION = {"model": "tiny", "prompt": [11, 12, 13, 14], "max_tokens": 1, "tem
 GONE_PEER = f"http://127.0.0.1:{free_port()}"  # a replica that is down: nothing listens there
 
 
+class _KeyedPeer(http.server.BaseHTTPRequestHandler):
+    """A replica behind an API key that only records who asks for its learned state (and refuses)."""
+
+    asked: ClassVar[list[str | None]] = []
+
+    def do_GET(self) -> None:
+        type(self).asked.append(self.headers.get("Authorization"))
+        self.send_response(401)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def keyed_peer() -> Iterator[str]:
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeyedPeer) as peer:
+        threading.Thread(target=peer.serve_forever, daemon=True).start()
+        yield f"http://127.0.0.1:{peer.server_address[1]}"
+        peer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, keyed_peer: str) -> Iterator[VLLMServer]:
     spec = ServerSpec(
         model_dir=tiny_model_dir,
         num_gpu_blocks=81,
         module="agentkv.serve",
         extra_args=["--api-key", KEY],
         env={"AGENTKV_STATS_TOP_AGENTS": str(LISTED_AGENTS), "AGENTKV_MAX_PEERS": str(MAX_PEERS),
-             "AGENTKV_PEERS": GONE_PEER, "AGENTKV_SYNC_INTERVAL": "0.5"},
+             "AGENTKV_PEERS": f"{GONE_PEER},{keyed_peer}", "AGENTKV_SYNC_INTERVAL": "0.5"},
     )
     with VLLMServer(spec, log_path=tmp_path_factory.mktemp("hardening") / "vllm.log") as running:
         yield running
@@ -98,6 +124,18 @@ def test_a_peer_that_is_down_is_counted_and_logged_once_and_the_server_serves_on
     log = server.log_path.read_text()
     assert log.count(f"cannot merge learned counts from {GONE_PEER}") == 1
     assert "agentkv: survival-scored eviction enabled on vLLM" in log  # the engine's start-up line, too
+
+
+def test_the_pull_from_a_peer_carries_the_servers_own_api_key(client, keyed_peer):
+    """Replicas behind ``--api-key`` pull each other's counts with the key (AGENTKV_PEER_API_KEY
+    unset: the server's own)."""
+    deadline = time.monotonic() + 30
+    while not _KeyedPeer.asked:
+        assert time.monotonic() < deadline, "the peer was never asked"
+        _stats(client)  # the first request starts the pulls
+        time.sleep(0.5)
+    assert set(_KeyedPeer.asked) == {f"Bearer {KEY}"}
+    assert _stats(client)["peer_sync_failures"][keyed_peer] >= 1  # refused: counted like any failure
 
 
 @pytest.mark.parametrize("path", [EVENTS_PATH, MERGE_PATH])
