@@ -210,6 +210,12 @@ def test_session_without_thread_id_is_the_root_run_id_or_explicit(server):
     fixed.invoke({"notes": []})
     assert server.tags() == [("only", "fixed-session", "", 1)]
 
+    # in the documented order: the metadata, else the thread, else instrument(session=)
+    server.requests.clear()
+    fixed.invoke({"notes": []}, {"configurable": {"thread_id": "t-9"}})
+    fixed.invoke({"notes": []}, {"configurable": {"thread_id": "t-9"}, "metadata": {"agentkv_session": "m-9"}})
+    assert [r.tag[1] for r in server.requests] == ["t-9", "m-9"]
+
 
 # --------------------------------------------------------------------------------------
 # Prebuilt agents, supervisors, subgraphs
