@@ -122,3 +122,23 @@ def main_exit(argv: list[str]) -> int:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     return int(exit_info.value.code or 0)
+
+
+def test_skipped_sessions_fill_the_cache_but_are_not_counted(tmp_path, capsys):
+    # a warm-up session caches x1 x2; the measured session's call hits them (it is the only one counted)
+    path = _write(tmp_path, [_line("w0", ["x1", "x2"], session="warmup-0"),
+                             _line("r0", ["x1", "x2"], hit=2 * BLOCK, session="s")])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "bound", str(path), "--json", "--skip-sessions", "warmup-"])
+    assert exit_info.value.code == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["requests"] == 1 and figures["prompt_tokens"] == 2 * BLOCK + 1
+    assert figures["lru"] == figures["belady"] == figures["measured"] == pytest.approx(2 * BLOCK / (2 * BLOCK + 1))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "bound", str(path), "--skip-sessions", ""])  # "" skips nothing
+    assert exit_info.value.code == 0 and "2 requests" in capsys.readouterr().out
+    only_warmups = _write(tmp_path, [_line("w0", ["x1"], session="warmup-0"), _line("w1", ["x1"], session="warmup-1")])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "bound", str(only_warmups), "--skip-sessions", "warmup-"])
+    assert exit_info.value.code == 2
+    assert "no request outside the sessions starting with 'warmup-'" in capsys.readouterr().out
