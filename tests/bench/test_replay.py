@@ -159,6 +159,27 @@ def test_cli_tape_and_replay(tmp_path, capsys):
     assert (out / "replay.md").read_text() == text.rstrip("\n") + "\n"
 
 
+def test_cli_replay_without_tapes_generates_them_and_two_workers_agree_with_one(tmp_path, capsys):
+    """No TAPE arguments: one tape per ``--workloads`` entry under OUT/tapes; the default two worker
+    processes give the same hit rates as one (block hashes are equal across processes)."""
+    pytest.importorskip("matplotlib")
+    from agentkv.__main__ import main
+
+    common = ["bench", "replay", "--workloads", "pipeline,teams", "--sessions", "4", "--policies", "lru,agentkv,belady",
+              "--multipliers", "2", "--margin", "0", "--quiet"]
+    main([*common, "--out", str(tmp_path / "two"), "--plot", str(tmp_path / "plot.png")])
+    main([*common, "--jobs", "1", "--out", str(tmp_path / "one")])
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "two" / "tapes").iterdir()) == ["pipeline-s0.jsonl", "teams-s0.jsonl"]
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def hits(out: str) -> dict[tuple[str, str, int], int]:
+        report = json.loads((tmp_path / out / "replay.json").read_text())
+        return {(r["tape"], r["policy"], r["capacity"]): r["hit_tokens"] for r in report["results"]}
+
+    assert hits("two") == hits("one") and len(hits("one")) == 6
+
+
 def test_cli_replay_always_runs_the_references(tmp_path, capsys):
     """The report is relative to lru and belady: a policy list without them, and no preflight, still
     gives the full report (it crashed with a KeyError)."""
