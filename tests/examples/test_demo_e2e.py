@@ -1,0 +1,31 @@
+"""``make demo`` as a user runs it (``python -m agentkv demo``), smaller: it builds the benchmark
+model, starts a vanilla vLLM and ``agentkv serve`` itself, runs the LangGraph app on both, prints
+the comparison and what the agentkv server learned, and stops both servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytestmark = pytest.mark.server
+
+
+def test_the_demo_runs_end_to_end_and_stops_its_servers():
+    run = subprocess.run([sys.executable, "-m", "agentkv", "demo", "--sessions", "3"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=900, start_new_session=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for line in ("servers up: vanilla", "hit rate", "mean TTFT", "agentkv server learned: policy"):
+        assert line in run.stdout, line
+    leftover = [p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints.openai.api_server" in
+                " ".join(p.info["cmdline"] or ()) and str(REPO_ROOT / ".build" / "bench-model") in
+                " ".join(p.info["cmdline"] or ())]
+    for process in leftover:  # not expected: stop them before failing
+        os.killpg(process.pid, signal.SIGKILL)
+    assert not leftover
