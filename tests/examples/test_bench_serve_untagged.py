@@ -14,17 +14,18 @@ from agentkv.protocol import STATS_PATH
 pytestmark = pytest.mark.server
 
 
-def test_an_untagged_run_is_recognized_and_reported_as_a_confusion_table(vanilla_server, own_agentkv_server,
-                                                                           tmp_path):
+def test_an_untagged_run_is_recognized_and_reported_as_a_confusion_table(own_agentkv_server, tmp_path):
+    # agentkv alone: langchain-openai keeps one async HTTP client per base URL for the process, bound
+    # to the event loop of the first run, so a second benchmark on the shared vanilla server's URL
+    # in this process would fail with "Event loop is closed"
     config = ServeConfig(rates=[4.0], sessions=2, warmup_sessions=0, turns=3, tool_gap=0.05, concurrency=2,
                          untagged=True, out=tmp_path)
-    result = serve.run_benchmark(config, servers={"vanilla": vanilla_server, "agentkv": own_agentkv_server})
+    result = serve.run_benchmark(config, servers={"agentkv": own_agentkv_server})
     rows = {row["server"]: row for row in result["rows"]}
-    assert all((row["turns"], row["errors"]) == (6, 0) for row in rows.values())
+    assert set(rows) == {"agentkv"} and (rows["agentkv"]["turns"], rows["agentkv"]["errors"]) == (6, 0)
     confusion = rows["agentkv"]["confusion"]
     assert sum(n for recognized in confusion.values() for n in recognized.values()) == 6  # every call counted
     assert "?" not in {f for recognized in confusion.values() for f in recognized}  # and matched to a recognition
-    assert not rows["vanilla"].get("confusion")
     assert serve.confusion_markdown(rows["agentkv"]).startswith("agentkv at 4 sessions/s: true agent (rows)")
     stats = httpx.get(own_agentkv_server.base_url + STATS_PATH, timeout=30, trust_env=False).json()
     recognition = stats["recognition"]
