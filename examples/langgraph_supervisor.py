@@ -309,6 +309,9 @@ class TeamConfig:
     tool_choice: str = "auto"  # "none" for a vLLM without --enable-auto-tool-choice
     routing: str = "model"  # "markov": ignore the model's pick (reproducible runs, benchmarks)
     timeout: float = 300.0
+    # an httpx.AsyncClient for the calls; by default langchain-openai's, one per base URL for the
+    # whole process, bound to the event loop of its first use (a second asyncio.run cannot use it)
+    http_async_client: Any = None
 
 
 def _scripted_call(agent: str, state: TeamState, turn: int, next_agent: str, seed: int) -> dict[str, Any]:
@@ -360,6 +363,7 @@ def chat_model(agent: str, config: TeamConfig) -> Any:
         stream_usage=True,
         timeout=config.timeout,
         max_retries=0,
+        http_async_client=config.http_async_client,
     )
     return llm.bind_tools(TOOLS[agent], tool_choice=config.tool_choice)
 

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -130,6 +131,9 @@ def test_tiny_benchmark_on_both_servers(vanilla_server, agentkv_server, tmp_path
     assert json.loads(paths["json"].read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     assert "| 4 | agentkv |" in paths["md"].read_text()
     assert paths["png"].stat().st_size > 10_000
+    # a second run in the same process (a notebook): every session runs again
+    again = serve.run_benchmark(replace(config, turns=2), servers={"vanilla": vanilla_server}, log=lambda _: None)
+    assert [(r["turns"], r["errors"], r["failed_sessions"]) for r in again["rows"]] == [(4, 0, 0)]
 
 
 def test_replica_options_reach_the_config_and_bad_ones_are_refused(monkeypatch, tmp_path):

@@ -15,9 +15,7 @@ pytestmark = pytest.mark.server
 
 
 def test_an_untagged_run_is_recognized_and_reported_as_a_confusion_table(own_agentkv_server, tmp_path):
-    # agentkv alone: langchain-openai keeps one async HTTP client per base URL for the process, bound
-    # to the event loop of the first run, so a second benchmark on the shared vanilla server's URL
-    # in this process would fail with "Event loop is closed"
+    # its own server: no other test's sessions in the stats
     config = ServeConfig(rates=[4.0], sessions=2, warmup_sessions=0, turns=3, tool_gap=0.05, concurrency=2,
                          untagged=True, out=tmp_path)
     result = serve.run_benchmark(config, servers={"agentkv": own_agentkv_server})

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from agentkv.bench.bound import TraceError, bound, read_trace
 from agentkv.bench.serve_args import ServeConfig
@@ -54,6 +55,13 @@ def _comparisons(blocks: dict[tuple[float, str, str], list[Block]], seed: int) -
 
 async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None = None
                      ) -> dict[str, Any]:
+    # the run's own HTTP client, closed with its event loop, so that a process can run twice
+    async with openai.DefaultAsyncHttpxClient(timeout=300.0) as http:
+        return await _run_on(config, targets, log, swap, http)
+
+
+async def _run_on(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None,
+                  http: httpx.AsyncClient) -> dict[str, Any]:
     import agentkv
     from agentkv.warmup import AnchorBook
 
@@ -61,7 +69,8 @@ async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, s
     apps: list[tuple[Target, Any, Any]] = []
     for target in targets:
         team = example.TeamConfig(base_url=target.url + "/v1", max_tokens=config.max_tokens, turns=config.turns,
-                                  tool_gap=config.tool_gap, seed=config.seed, tool_choice="none", routing="markov")
+                                  tool_gap=config.tool_gap, seed=config.seed, tool_choice="none", routing="markov",
+                                  http_async_client=http)
         app = example.build_team(team)
         if not config.untagged:
             app = agentkv.instrument(app, events_url=list(target.events) or None)
