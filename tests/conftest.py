@@ -11,6 +11,7 @@ everything its server saw uses ``own_agentkv_server``, a server of the module's 
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
 # ---------------------------------------------------------------------------------------
 
 TINY_MODEL_DIR = REPO_ROOT / ".build" / "tiny-model"  # gitignored, reused across runs
+
+
+def model_servers(model_dir: Path) -> set[int]:
+    """Pids of this machine's processes started with ``--model model_dir``: a vLLM or ``agentkv
+    serve`` server on that model, whichever module it runs (to check that a command stopped its own)."""
+    import psutil
+
+    pids = set()
+    for process in psutil.process_iter(["cmdline"]):
+        command = process.info["cmdline"] or []
+        if any(a == "--model" and b == str(model_dir) for a, b in itertools.pairwise(command)):
+            pids.add(process.pid)
+    return pids
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""``agentkv bench soak``: a few seconds of traffic against the shared agentkv server, and the report."""
+"""``agentkv bench soak``: a few seconds of traffic against the shared agentkv server, or one it starts
+itself, and the report."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from agentkv.__main__ import main
 from agentkv.bench.soak import SoakConfig, process_rss, run_soak
 from agentkv.bench.soak_cases import CASES, STATELESS_CASES, SoakContext
+from tests.conftest import TINY_MODEL_DIR, model_servers
 
 
 def test_every_case_builds_a_request_for_loopback_paths():
@@ -53,3 +55,19 @@ def test_soak_command_against_a_real_server(agentkv_server, tmp_path, capsys):
         assert sample["processes"]["api_server"] > 0 and len(sample["processes"]) >= 2  # + the EngineCore
         assert sample["total_mb"] == pytest.approx(sum(sample["processes"].values()), abs=0.2)
     assert printed.startswith(f"soak: {report['requests']} requests") and "RSS (MB)" in printed
+
+
+@pytest.mark.server
+def test_soak_with_an_api_key_starts_its_own_keyed_server_and_stops_it(tmp_path, capsys):
+    before = model_servers(TINY_MODEL_DIR)
+    main(["bench", "soak", "--minutes", "0.1", "--api-key", "soak-key", "--concurrency", "2",
+          "--cases", "valid_untagged,control_reads,unauthenticated", "--rss-interval", "2", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert report["config"]["api_key"] is True and "soak-key" not in json.dumps(report)
+    by_case = report["by_case"]
+    assert set(by_case["unauthenticated"]) == {"401"}  # no key or a wrong one: refused, every call
+    assert by_case["valid_untagged"].get("200", 0) > 0 and by_case["control_reads"].get("200", 0) > 0  # keyed
+    assert report["server_errors"] == 0 and report["lost"] == 0
+    assert (tmp_path / "agentkv-server.log").stat().st_size > 0  # the started server's log
+    assert model_servers(TINY_MODEL_DIR) <= before  # its own server is gone
+    assert capsys.readouterr().out.startswith(f"soak: {report['requests']} requests")

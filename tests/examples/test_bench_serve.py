@@ -244,3 +244,23 @@ def test_warmup_variant_shares_agentkv_engines_but_never_its_sessions():
     assert {len(x) for x in suffixes[:3]} == {len("@single/0")} and len({len(x) for x in suffixes[3:]}) == 1
     without = serve.single_targets(ServeConfig(), {"vanilla": "http://v", "agentkv": "http://a"})
     assert [t.session_suffix for t in without] == ["", ""]  # nothing shared: the demo's prompts as they were
+
+
+@pytest.mark.server
+def test_the_warmup_arm_runs_the_coordinator_and_reports_what_it_decided(vanilla_server, agentkv_server, tmp_path):
+    config = ServeConfig(rates=[4.0], sessions=3, warmup_sessions=2, turns=4, tool_gap=0.2, concurrency=3,
+                         warmup=True, out=tmp_path)
+    result = serve.run_benchmark(config, servers={"vanilla": vanilla_server, "agentkv": agentkv_server},
+                                 log=lambda _: None)
+    rows = {row["server"]: row for row in result["rows"]}
+    assert set(rows) == {"vanilla", "agentkv", "agentkv+warmup"}
+    assert all((row["turns"], row["errors"]) == (12, 0) for row in rows.values())
+    counts = rows["agentkv+warmup"]["warmups"]
+    assert "warmups" not in rows["agentkv"]
+    decided = counts.get("sent", 0) + sum(n for k, n in counts.items() if k.startswith("skipped_"))
+    assert decided > 0 and counts.get("failed", 0) == 0  # every dispatch's decision, counted by its reason
+    assert counts.get("sent", 0) == counts.get("server_sent", 0)  # the server received each one the coordinator sent
+    assert {(c["server"], c["baseline"]) for c in result["comparisons"]} == {
+        ("agentkv", "vanilla"), ("agentkv+warmup", "vanilla"), ("agentkv+warmup", "agentkv")}
+    [line] = serve.warmup_lines(result)
+    assert line.startswith(f"agentkv+warmup at 4 sessions/s: warm-ups sent {counts.get('sent', 0)}")

@@ -9,10 +9,9 @@ import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, model_servers
 
 pytestmark = pytest.mark.server
 
@@ -23,9 +22,7 @@ def test_the_demo_runs_end_to_end_and_stops_its_servers():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for line in ("servers up: vanilla", "hit rate", "mean TTFT", "agentkv server learned: policy"):
         assert line in run.stdout, line
-    leftover = [p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints.openai.api_server" in
-                " ".join(p.info["cmdline"] or ()) and str(REPO_ROOT / ".build" / "bench-model") in
-                " ".join(p.info["cmdline"] or ())]
-    for process in leftover:  # not expected: stop them before failing
-        os.killpg(process.pid, signal.SIGKILL)
+    leftover = model_servers(REPO_ROOT / ".build" / "bench-model")
+    for pid in leftover:  # not expected: stop them before failing
+        os.killpg(pid, signal.SIGKILL)
     assert not leftover

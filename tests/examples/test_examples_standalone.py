@@ -7,18 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import psutil
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, TINY_MODEL_DIR, model_servers
 
 pytestmark = pytest.mark.server
-
-
-def _servers_of(model: str) -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"])
-            if "vllm.entrypoints.openai.api_server" in " ".join(p.info["cmdline"] or ()) and
-            model in " ".join(p.info["cmdline"] or ())]
 
 
 @pytest.mark.parametrize(("script", "args", "learned"), [
@@ -26,9 +19,9 @@ def _servers_of(model: str) -> list[psutil.Process]:
     ("autogen_selector.py", ["--sessions", "1"], "| selector |"),
 ])
 def test_an_example_without_base_url_serves_itself_and_stops(script, args, learned):
-    before = {p.pid for p in _servers_of(".build/tiny-model")}
+    before = model_servers(TINY_MODEL_DIR)
     run = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / script), *args], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "agentkv server at" in run.stdout and learned in run.stdout
-    assert {p.pid for p in _servers_of(".build/tiny-model")} <= before  # its own server is gone
+    assert model_servers(TINY_MODEL_DIR) <= before  # its own server is gone

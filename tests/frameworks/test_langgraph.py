@@ -8,6 +8,7 @@ import uuid
 import warnings
 from typing import Annotated, Any, Literal, TypedDict
 
+import httpx
 import pytest
 
 pytest.importorskip("langgraph")
@@ -480,6 +481,21 @@ def test_learner_gets_facts_and_dispatches(server, thread):
     app.close()
     app.invoke({"notes": []}, cfg(thread + "2"))
     assert learner.learner.dispatches == 6
+
+
+def test_a_warmup_coordinator_beside_instrument_feeds_a_shared_learner_once(server, thread):
+    from agentkv.warmup import WarmupCoordinator
+
+    learner = TransitionLearner()
+    app = instrument(fan_out_app(server), learner=learner)
+    down = httpx.MockTransport(lambda request: httpx.Response(503))  # its warm-ups fail, counted
+    with WarmupCoordinator("http://127.0.0.1:9", learner=learner, feed_learner=False, transport=down):
+        app.invoke({"notes": []}, cfg(thread))
+    assert learner.dispatches == 6  # instrument's feed only
+    with WarmupCoordinator("http://127.0.0.1:9", learner=learner, transport=down):
+        app.invoke({"notes": []}, cfg(thread + "-twice"))
+    assert learner.dispatches == 6 + 2 * 6  # both feed it: what feed_learner=False is for
+    app.close()
 
 
 def test_top_level_instrument_is_the_langgraph_one(server, thread):
