@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from agentkv._arguments import at_least
@@ -90,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=at_least(int, 1), default=DEMO_CONFIG.sessions,
                         help="sessions per server and rate")
     parser.add_argument("--blocks", type=at_least(int, 2), default=DEMO_CONFIG.blocks, help="--num-gpu-blocks-override")
+    parser.add_argument("--out", type=Path, default=DEMO_CONFIG.out,
+                        help="reports, request trace and server logs (default %(default)s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         config = ServeConfig(**{**DEMO_CONFIG.__dict__, "rates": list(args.rates),
-                                "sessions": args.sessions, "blocks": args.blocks})
+                                "sessions": args.sessions, "blocks": args.blocks, "out": args.out})
     except ValueError as exc:
         raise SystemExit(f"agentkv demo: {exc}") from None
     rates = ", ".join(f"{r:g}" for r in config.rates)
