@@ -78,7 +78,8 @@ def help_text() -> str:
         usage="agentkv serve MODEL [--agentkv-NAME VALUE ...] [vllm args ...]",
         description="vLLM's OpenAI-compatible server with the agentkv extension (scheduler + middleware).",
         epilog="Every other argument goes to vLLM unchanged "
-               "(python -m vllm.entrypoints.openai.api_server --help lists them).",
+               "(python -m vllm.entrypoints.openai.api_server --help lists them). "
+               "--version prints agentkv's version and the installed vLLM's, supported or not.",
     )
     group = parser.add_argument_group("agentkv settings (the flag, else its environment variable, else the default)")
     for setting in SETTINGS:
@@ -92,6 +93,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args or "-h" in args or "--help" in args:
         print(help_text(), end="")
         sys.exit(0 if args else 2)
+    if "--version" in args:  # vLLM's server has no such flag
+        from agentkv.__main__ import version_line
+
+        print(version_line())
+        sys.exit(0)
     try:
         args = take_agentkv_flags(args, os.environ)
         check_environment(os.environ)

@@ -1,5 +1,6 @@
-"""``agentkv --version``: agentkv's version, the wire protocol's, and whether the installed vLLM is
-one agentkv supports, read from the package metadata (vLLM is not imported)."""
+"""``agentkv --version`` and ``agentkv serve --version`` (which vLLM's server would refuse): agentkv's
+version, the wire protocol's, and whether the installed vLLM is one agentkv supports, read from the
+package metadata (vLLM is not imported)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import agentkv
 from agentkv import __main__ as cli
 
 
-def test_the_command_prints_the_versions_and_exits_0():
-    done = subprocess.run([sys.executable, "-m", "agentkv", "--version"], capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("command", [["--version"], ["serve", "--version"]])
+def test_the_command_prints_the_versions_and_exits_0(command):
+    done = subprocess.run([sys.executable, "-m", "agentkv", *command], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert re.fullmatch(rf"agentkv {re.escape(agentkv.__version__)} \(wire protocol v1; vllm(-cpu)? 0\.3[23]\.\S+, "
                         r"supported\)\n", done.stdout), done.stdout
