@@ -4,6 +4,7 @@ kinds of replicas and a router in front of each, runs every setup, and stops eve
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import psutil
 import pytest
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.server
 
 
 def _routers() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "vllm-router"}
+    """vllm-router processes (a Python entry point: its script is the first or second argument)."""
+    return {p.pid for p in psutil.process_iter(["cmdline"])
+            if any(Path(arg).name == "vllm-router" for arg in (p.info["cmdline"] or [])[:2])}
 
 
 def test_a_replicated_run_starts_what_it_needs_and_stops_it(tiny_model_dir, tmp_path, capsys):
