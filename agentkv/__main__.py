@@ -97,16 +97,16 @@ def installed_vllm() -> tuple[str, str] | None:
 def version_line() -> str:
     """agentkv's version, its wire protocol's, and the installed vLLM's, said supported or not."""
     from agentkv import PROTOCOL_VERSION, __version__
-    from server_patch._compat import SUPPORTED
+    from server_patch._compat import is_supported_release, supported_lines
 
     installed = installed_vllm()
     if installed is None:
         vllm = "no vLLM installed (client side only)"
     else:
         dist, release = installed
-        lines = ", ".join(f"{line}.x" for line in SUPPORTED)
-        supported = release.startswith(tuple(f"{line}." for line in SUPPORTED))
-        vllm = f"{dist} {release}, " + ("supported" if supported else f"not supported (agentkv supports {lines})")
+        supported = is_supported_release(release)
+        verdict = "supported" if supported else f"not supported (agentkv supports {supported_lines()})"
+        vllm = f"{dist} {release}, {verdict}"
     return f"agentkv {__version__} (wire protocol v{PROTOCOL_VERSION}; {vllm})"
 
 

@@ -7,7 +7,9 @@ import logging
 import os
 from dataclasses import dataclass
 
-__all__ = ["SUPPORTED", "GateResult", "UnsupportedVLLM", "check_vllm", "gate"]
+__all__ = [
+    "SUPPORTED", "GateResult", "UnsupportedVLLM", "check_vllm", "gate", "is_supported_release", "supported_lines",
+]
 
 logger = logging.getLogger("agentkv.server")
 
@@ -70,6 +72,16 @@ def _resolve(path: str) -> object:
     return obj
 
 
+def is_supported_release(version: str) -> bool:
+    """Whether ``version`` belongs to one of the SUPPORTED release lines."""
+    return version.startswith(tuple(f"{line}." for line in SUPPORTED))
+
+
+def supported_lines() -> str:
+    """The SUPPORTED release lines as a user reads them: ``0.32.x, 0.33.x``."""
+    return ", ".join(f"{line}.x" for line in SUPPORTED)
+
+
 def check_vllm() -> str:
     """Return the vLLM version, or raise UnsupportedVLLM naming every missing seam."""
     try:
@@ -78,8 +90,8 @@ def check_vllm() -> str:
         raise UnsupportedVLLM(f"vLLM is not importable: {exc}") from exc
     version = vllm.__version__
     problems = []
-    if not version.startswith(tuple(line + "." for line in SUPPORTED)):
-        problems.append(f"vLLM {version} is not a supported release ({', '.join(s + '.x' for s in SUPPORTED)})")
+    if not is_supported_release(version):
+        problems.append(f"vLLM {version} is not a supported release ({supported_lines()})")
     for path, methods in _REQUIRED_METHODS.items():
         try:
             cls = _resolve(path)
