@@ -214,8 +214,9 @@ class EventSink:
                 delivered += len(chunk)
                 self._count("sent", len(chunk))
         except Exception as exc:
-            self._count("failed", len(events) - delivered)
+            # recorded (and logged) before it is counted: whoever flush() wakes sees the error too
             ERRORS.record(f"events POST to {url}", exc)
+            self._count("failed", len(events) - delivered)
 
 
 def _endpoints(url: str | Sequence[str]) -> tuple[str, ...]:
