@@ -485,3 +485,67 @@ def test_nan_score_is_refused_and_evictions_are_reported_once_per_pop() -> None:
     assert reports == [[1, 2, 3], [4, 5, 6]]  # the allocations' pops
     assert [b.block_id for b in queue.popleft_n(5)] == [7, 8, 6, 5, 4]
     assert reports[2:] == [[7, 8, 6, 5, 4]]  # one call with every popped block, cached or not
+
+
+# --- property test: scored pop order against a brute-force reference ---------------
+
+queue_op = st.one_of(
+    st.tuples(st.just("free"), st.integers(1, 12), st.integers(0, 3)),  # a batch of n blocks of one group
+    st.tuples(st.just("mixed"), st.lists(st.integers(0, 3), min_size=1, max_size=8)),  # one block per group named
+    st.tuples(st.just("hit"), st.integers(0, 10_000)),  # a free tail block taken out (a prefix hit)
+    st.tuples(st.just("score"), st.lists(st.sampled_from([-math.inf, -2.0, 0.0, 0.5, 3.0]), min_size=4, max_size=4)),
+    st.tuples(st.just("pop"), st.integers(1, 10)),
+    st.tuples(st.just("regroup"), st.integers(0, 10_000), st.integers(0, 3)),  # up to 3 tail blocks, as freed now
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(queue_op, min_size=10, max_size=120))
+def test_pops_follow_the_eviction_key_exactly(ops: list[tuple[object, ...]]) -> None:
+    """Every pop takes the blocks of smallest (score + decay * t_free, seq), whatever hits took
+    out of the middle of groups or ``regroup`` moved before; the front segment goes first, in list order."""
+    blocks = [KVCacheBlock(i) for i in range(80)]
+    clock, groups = Clock(), {}
+    queue: ScoredFreeBlockQueue[int] = ScoredFreeBlockQueue(blocks[:4], lambda b: groups[b.block_id],
+                                                            clock=clock, decay=0.5)
+    front, in_use = [b.block_id for b in blocks[:4]], [b.block_id for b in blocks[4:]]
+    scores, seq, tail = [0.0] * 4, 0, {}  # tail: block id -> (group, t_free, seq)
+    for step, op in enumerate(ops):
+        clock.t = float(step)
+        if op[0] in ("free", "mixed"):
+            named = [op[2]] * op[1] if op[0] == "free" else op[1]  # type: ignore[operator]
+            batch = in_use[: len(named)]
+            del in_use[: len(batch)]
+            for block_id, group in zip(batch, named, strict=False):
+                groups[block_id] = group
+                seq += 1
+                tail[block_id] = (group, clock.t, seq)
+            queue.append_n([blocks[i] for i in batch])
+        elif op[0] == "hit" and tail:
+            block_id = sorted(tail)[op[1] % len(tail)]  # type: ignore[operator]
+            queue.remove(blocks[block_id])
+            del tail[block_id]
+            in_use.append(block_id)
+        elif op[0] == "regroup" and tail:
+            start = op[1] % len(tail)  # type: ignore[operator]
+            chosen = sorted(tail)[start : start + 3]
+            queue.regroup([blocks[i] for i in chosen], op[2])
+            for block_id in chosen:
+                if tail[block_id][0] != op[2]:
+                    seq += 1
+                    tail[block_id] = (op[2], clock.t, seq)
+        elif op[0] == "score":
+            scores = list(op[1])  # type: ignore[arg-type]
+            queue.set_group_scores(dict(enumerate(scores)))
+        elif op[0] == "pop":
+            count = min(op[1], len(front) + len(tail))  # type: ignore[type-var]
+            expected = front[:count]
+            order = sorted(tail, key=lambda b: (scores[tail[b][0]] + 0.5 * tail[b][1], tail[b][2]))
+            expected += order[: count - len(expected)]
+            assert [b.block_id for b in queue.popleft_n(count)] == expected
+            del front[: len(expected)]
+            for block_id in expected:
+                tail.pop(block_id, None)
+            in_use.extend(expected)
+        assert queue.num_free_blocks == len(front) + len(tail)
+        check_segments(queue)
