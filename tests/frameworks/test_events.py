@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("langgraph")
@@ -154,6 +155,35 @@ def test_http_errors_are_counted_not_raised():
         sink.close()
     assert sink.failed == 1 and sink.sent == 0 and sink.dropped == 1
     assert len(events.bodies) == 1
+
+
+def test_after_flush_a_failed_post_is_in_the_error_counts_and_logged():
+    """flush() returns once every delivery is counted, and a failure's error is recorded (and its
+    one warning logged) before it counts: here logging takes 0.3 s, which flush() must wait for."""
+    url = closed_port_url()
+    kind = f"events POST to {events_endpoint(url)}"
+
+    class Slow(logging.Handler):
+        seen = ""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            time.sleep(0.3)
+            self.seen = record.getMessage()
+
+    # the errors are counted process-wide by kind: a port an earlier test saw fail was logged then
+    logged_before = stats()["errors"].get(kind, 0) > 0
+    slow = Slow(logging.WARNING)
+    frameworks_logger = logging.getLogger("agentkv.frameworks")
+    frameworks_logger.addHandler(slow)
+    try:
+        sink = EventSink(url, transport=httpx.HTTPTransport(retries=0))
+        sink.post([{"type": "session_end", "session": "s"}])
+        assert sink.flush(5)
+        assert sink.failed == 1 and stats()["errors"][kind] >= 1
+        assert logged_before or kind in slow.seen
+        sink.close()
+    finally:
+        frameworks_logger.removeHandler(slow)
 
 
 def test_every_endpoint_gets_every_event_and_one_down_endpoint_does_not_stop_the_others():
