@@ -22,19 +22,20 @@ class ErrorCounter:
     def __init__(self, log: logging.Logger = logger) -> None:
         self.by_kind: Counter[str] = Counter()
         self._log = log
-        self._lock = threading.Lock()
+        # re-entrant: a logging handler may itself record an error
+        self._lock = threading.RLock()
 
     def record(self, kind: str, exc: BaseException | None = None, message: str = "") -> None:
+        # the warning is logged under the lock: once any record of a kind returned, its warning is out
         with self._lock:
-            first = self.by_kind[kind] == 0
             self.by_kind[kind] += 1
-        if first:
-            detail = message or (f"{type(exc).__name__}: {exc}" if exc is not None else "error")
-            self._log.warning(
-                "agentkv: %s failed (%s); the application is unaffected, further failures are only counted",
-                kind,
-                detail,
-            )
+            if self.by_kind[kind] == 1:
+                detail = message or (f"{type(exc).__name__}: {exc}" if exc is not None else "error")
+                self._log.warning(
+                    "agentkv: %s failed (%s); the application is unaffected, further failures are only counted",
+                    kind,
+                    detail,
+                )
 
     @property
     def total(self) -> int:

@@ -137,17 +137,7 @@ class EventSink:
         with self._idle:
             self._closed = True
             self._idle.wait_for(lambda: self.pending == 0, max(0.0, timeout))
-            while True:  # whatever is still queued will not be sent
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            if self.pending:
-                self.dropped += self.pending
-                count("events_dropped", self.pending)
-                self.pending = 0
-                self._abandoned = True
-                self._idle.notify_all()
+            self._drop_pending()
             thread, self._thread = self._thread, None
             if thread is not None:
                 self._queue.put_nowait(None)  # the queue is empty: wakes the worker, which then exits
@@ -157,6 +147,20 @@ class EventSink:
         if self.failed or self.dropped:
             logger.warning("agentkv events to %s: sent %d, failed %d, dropped %d",
                            ", ".join(self.urls), self.sent, self.failed, self.dropped)
+
+    def _drop_pending(self) -> None:
+        """Count whatever is still queued or in flight as dropped (under ``_idle``): nothing more is sent."""
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self.pending:
+            self.dropped += self.pending
+            count("events_dropped", self.pending)
+            self.pending = 0
+            self._abandoned = True
+            self._idle.notify_all()
 
     def _drop(self, deliveries: int) -> None:
         with self._lock:
@@ -180,6 +184,15 @@ class EventSink:
                 self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # e.g. no client can be built (an API key httpx cannot encode)
+            ERRORS.record("events worker", exc)
+            with self._idle:  # the sink closes: what is queued and what comes later is dropped, never awaited
+                self._closed = True
+                self._drop_pending()
+
+    def _serve(self) -> None:
         with httpx.Client(timeout=self.timeout, transport=self._transport, trust_env=False,
                           headers=self._headers) as client:
             while True:

@@ -134,6 +134,8 @@ class AnchorBook:
         self._lock = threading.Lock()
         self._ids = 0
         self._unsubscribe: Callable[[], None] | None = None
+        self._attached = 0  # attach() calls not undone by detach() yet
+        self._attach_lock = threading.Lock()
         self.counts = {"captured": 0, "ignored": 0, "other_server": 0}
 
     @property
@@ -144,14 +146,21 @@ class AnchorBook:
     # -- subscription ------------------------------------------------------------------
 
     def attach(self) -> AnchorBook:
-        """Subscribe :meth:`observe` to ``agentkv.client.on_request`` (idempotent)."""
+        """Subscribe :meth:`observe` to ``agentkv.client.on_request``; each attach is undone by one
+        :meth:`detach` (coordinators sharing a book each attach it: it captures until the last detaches)."""
         install()
-        if self._unsubscribe is None:
-            self._unsubscribe = on_request(self.observe)
+        with self._attach_lock:
+            self._attached += 1
+            if self._unsubscribe is None:
+                self._unsubscribe = on_request(self.observe)
         return self
 
     def detach(self) -> None:
-        unsubscribe, self._unsubscribe = self._unsubscribe, None
+        with self._attach_lock:
+            self._attached = max(0, self._attached - 1)
+            if self._attached:
+                return
+            unsubscribe, self._unsubscribe = self._unsubscribe, None
         if unsubscribe is not None:
             unsubscribe()
 

@@ -113,6 +113,7 @@ class WarmupCoordinator:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._unsubscribe: list[Callable[[], None]] = []
+        self._lifecycle = threading.Lock()  # start() and close() one at a time (not _lock: the hooks take that)
         self._server: WarmupServer | None = None  # created by the worker
 
         self._seq: BoundedDict[str, int] = BoundedDict(_MAX_SESSIONS)  # session -> dispatches seen
@@ -129,19 +130,20 @@ class WarmupCoordinator:
 
     def start(self) -> WarmupCoordinator:
         """Subscribe to the hooks and start the worker thread (idempotent)."""
-        with self._lock:
-            if self._thread is not None or self._closed:
-                return self
-            self._thread = threading.Thread(target=self._run, name="agentkv-warmup", daemon=True)
-        install()
-        self.anchors.attach()
-        self._unsubscribe = [
-            on_dispatch(self._on_dispatch),
-            on_dispatch_end(self._on_dispatch_end),
-            on_session_end(self._on_session_end),
-            on_response(self._on_response),
-        ]
-        self._thread.start()
+        with self._lifecycle:
+            with self._lock:
+                if self._thread is not None or self._closed:
+                    return self
+                self._thread = threading.Thread(target=self._run, name="agentkv-warmup", daemon=True)
+            install()
+            self.anchors.attach()
+            self._unsubscribe = [
+                on_dispatch(self._on_dispatch),
+                on_dispatch_end(self._on_dispatch_end),
+                on_session_end(self._on_session_end),
+                on_response(self._on_response),
+            ]
+            self._thread.start()
         return self
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
@@ -149,18 +151,24 @@ class WarmupCoordinator:
         to ``timeout`` seconds (default :data:`CLOSE_TIMEOUT`) to finish, and stop the worker. Never
         blocks longer than ``timeout``: a job stuck on a hanging server ends with its own httpx
         timeout on the daemon worker thread."""
-        for unsubscribe in self._unsubscribe:
-            unsubscribe()
-        self._unsubscribe = []
-        self.anchors.detach()
-        with self._lock:
-            self._closed = True
-            self.counts["dropped"] += len(self._queue)
-            self._queue.clear()
-            self._wake.notify_all()
-            thread = self._thread
+        with self._lifecycle:
+            unsubscribe, self._unsubscribe = self._unsubscribe, []
+            for undo in unsubscribe:
+                undo()
+            if unsubscribe:  # started: the book was attached
+                self.anchors.detach()
+            with self._lock:
+                self._stop()
+                thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+    def _stop(self) -> None:
+        """Close (under ``_lock``): the queued jobs are dropped (counted) and the worker wakes to exit."""
+        self._closed = True
+        self.counts["dropped"] += len(self._queue)
+        self._queue.clear()
+        self._wake.notify_all()
 
     def __enter__(self) -> WarmupCoordinator:
         return self.start()
@@ -252,6 +260,8 @@ class WarmupCoordinator:
                                       replicas=clients[1:])
             except Exception as exc:
                 self.errors.record("warm-up client", exc)
+                with self._lock:  # no job can run: what is queued and what comes later is dropped, never awaited
+                    self._stop()
                 return
             while True:
                 with self._wake:

@@ -186,6 +186,17 @@ def test_after_flush_a_failed_post_is_in_the_error_counts_and_logged():
         frameworks_logger.removeHandler(slow)
 
 
+def test_a_worker_that_cannot_build_its_client_drops_its_events_instead_of_leaving_flush_waiting():
+    sink = EventSink(closed_port_url(), api_key="clé")  # httpx encodes header values as ASCII
+    sink.post([{"type": "session_end", "session": "s"}])
+    started = time.monotonic()
+    assert sink.flush(5) and time.monotonic() - started < 2
+    sink.post([{"type": "session_end", "session": "t"}])  # closed: dropped at once
+    assert sink.flush(1)
+    assert sink.sent == 0 and sink.failed == 0 and sink.dropped == 2 and stats()["errors"]["events worker"] >= 1
+    sink.close()
+
+
 def test_every_endpoint_gets_every_event_and_one_down_endpoint_does_not_stop_the_others():
     server = FakeOpenAI()
     thread = thread_id()

@@ -603,3 +603,34 @@ def test_async_responses_are_reported(fake: FakeVLLM, responses: list[TaggedResp
 
     asyncio.run(main())
     assert [r.tag.agent for r in responses] == [f"coder-{run_id}"]
+
+
+def test_a_worker_that_cannot_build_its_client_closes_the_coordinator_instead_of_leaving_jobs_waiting(fake, clock):
+    # httpx encodes header values as ASCII: no client can be built with this key
+    coord = make(fake, clock, api_key="clé").start()
+    try:
+        deadline = time.monotonic() + 10
+        while "warm-up client" not in coord.errors.by_kind and time.monotonic() < deadline:
+            time.sleep(0.01)
+        coord.warm("planner")  # nothing will ever send it: not queued
+        started = time.monotonic()
+        assert coord.flush(5) and time.monotonic() - started < 1
+        assert coord.errors.by_kind["warm-up client"] == 1 and coord.counts["sent"] == 0
+    finally:
+        coord.close()
+
+
+def test_coordinators_sharing_an_anchor_book_keep_it_capturing_until_the_last_closes(fake, clock, client, run_id):
+    from agentkv.warmup import AnchorBook
+
+    book = AnchorBook(base_url=BASE, block_size=16)
+    first, second = make(fake, clock, anchors=book).start(), make(fake, clock, anchors=book).start()
+    first.close()
+    with use_tag(AgentTag("planner", session=f"s-{run_id}")):
+        call(client, "planner", f"s-{run_id}")
+    assert book.resolve("planner", None) is not None  # still captured: the second coordinator runs
+    second.close()
+    captured = book.counts["captured"]
+    with use_tag(AgentTag("planner", session=f"t-{run_id}")):
+        call(client, "planner", f"t-{run_id}")
+    assert book.counts["captured"] == captured  # the last one closed: the book no longer listens
