@@ -60,7 +60,11 @@ def _text(raw: str) -> str:
 def _urls(raw: str) -> str:
     urls = [url.strip() for url in raw.split(",") if url.strip()]
     for url in urls:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (raises on a port out of range)
+        except ValueError as exc:
+            raise ValueError(f"takes comma-separated http(s) base URLs ({url}: {exc})") from exc
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError("takes comma-separated http(s) base URLs")
     return ",".join(urls)

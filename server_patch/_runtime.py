@@ -115,6 +115,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self.answers: Counter[str] = Counter()  # answers told by the middleware: tool_call / no_tool_call
         self.recognizer = Recognizer() if self.config.recognize else None
         self._tags: OrderedDict[str, AgentTag | None] = OrderedDict()
+        self._finished_tags: OrderedDict[str, AgentTag | None] = OrderedDict()
         self._answer_sessions: OrderedDict[str, str] = OrderedDict()
         self._quoting: OrderedDict[str, str] = OrderedDict()
         self.queue_lengths: Callable[[], tuple[int, int]] | None = None  # set by the scheduler
@@ -247,8 +248,10 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             queue.regroup(dropped, UNCACHED)
 
     def _finished(self, request: Request) -> None:
-        """A request finished: it no longer keeps its session busy; a recognized one's answer is indexed."""
-        tag = self._tags.get(request.request_id)
+        """A request finished: it no longer keeps its session busy; a recognized one's answer is indexed.
+        Its tag leaves the live requests' cache (a running request's tag pushed out of it by 65,536
+        later ones would leave its session busy for good)."""
+        tag = self._finish_tag(request.request_id)
         if tag is not None and tag.session is not None and not tag.warmup:
             self.timing.finished(tag.session)
         session = self._quoting.pop(request.request_id, None)

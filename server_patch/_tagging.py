@@ -16,13 +16,15 @@ __all__ = ["RequestTagging"]
 
 _UNPARSED = object()  # tag_of's cache miss (a cached None means: parsed, untagged)
 _MAX_CACHED_TAGS = 65_536
+_MAX_FINISHED_TAGS = 4_096  # finished requests' tags, kept so that a late reader gets the same tag
 _MAX_ANSWER_KEYS = 8_192  # recognized requests whose answer may still be told (two keys each)
 
 
 class RequestTagging:
     """The tags of an ``AgentKVRuntime``'s requests (mixed into it).
 
-    Invariants: ``_tags`` holds at most ``_MAX_CACHED_TAGS`` requests' tags, the latest; a request
+    Invariants: ``_tags`` holds the tags of requests not finished yet, at most ``_MAX_CACHED_TAGS``
+    (the latest), ``_finished_tags`` those of the latest ``_MAX_FINISHED_TAGS`` finished ones; a request
     whose session recognition found is in ``_quoting`` and its response's keys in
     ``_answer_sessions`` (each at most ``_MAX_ANSWER_KEYS``, the latest).
     """
@@ -31,6 +33,7 @@ class RequestTagging:
     malformed: MalformedCounter
     block_size: int
     _tags: OrderedDict[str, AgentTag | None]
+    _finished_tags: OrderedDict[str, AgentTag | None]
     _answer_sessions: OrderedDict[str, str]  # answer key -> recognized session
     _quoting: OrderedDict[str, str]  # recognized requests not yet freed -> their session
 
@@ -38,6 +41,8 @@ class RequestTagging:
         """The request's agentkv tag (parsed once per request; malformed ones counted)."""
         request_id = request.request_id
         known = self._tags.get(request_id, _UNPARSED)
+        if known is _UNPARSED:
+            known = self._finished_tags.get(request_id, _UNPARSED)  # parsed once: not recognized again
         if known is not _UNPARSED:
             return known  # type: ignore[return-value]
         extra = request.sampling_params.extra_args if request.sampling_params is not None else None
@@ -59,6 +64,14 @@ class RequestTagging:
             self._quoting[request_id] = tag.session  # its answer is read when it is freed
             while len(self._quoting) > _MAX_ANSWER_KEYS:
                 self._quoting.popitem(last=False)
+        return tag
+
+    def _finish_tag(self, request_id: str) -> AgentTag | None:
+        """The finished request's tag, moved from the live requests' cache to the finished ones'."""
+        tag = self._tags.pop(request_id, None)
+        self._finished_tags[request_id] = tag
+        if len(self._finished_tags) > _MAX_FINISHED_TAGS:
+            self._finished_tags.popitem(last=False)
         return tag
 
     def _session_header(self, request: Request, tag: AgentTag | None) -> str | None:

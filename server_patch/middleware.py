@@ -85,7 +85,7 @@ class AgentKVMiddleware:
         self.endpoint = control_endpoint(os.getpid())
         self.timeout = 5.0  # seconds to wait for the engine's answer before a 503
         self.malformed = MalformedCounter(logger)
-        self.peers = [p.rstrip("/") for p in os.environ.get("AGENTKV_PEERS", "").split(",") if p.strip()]
+        self.peers = [p.strip().rstrip("/") for p in os.environ.get("AGENTKV_PEERS", "").split(",") if p.strip()]
         self.sync_interval = float(os.environ.get("AGENTKV_SYNC_INTERVAL", "5"))
         self.sync_failures: Counter[str] = Counter()  # per peer; the first failure is logged
         self._sync_task: asyncio.Task[None] | None = None
@@ -284,7 +284,7 @@ class AgentKVMiddleware:
                         reply = await ask(self.endpoint, {"op": "merge", "payload": payload}, self.timeout)
                         if "error" in reply:
                             raise ValueError(reply["error"])
-                    except (httpx.HTTPError, ControlUnavailable, ValueError) as exc:
+                    except Exception as exc:  # any peer's failure (a bad URL too) is counted; the others go on
                         if not self.sync_failures[peer]:
                             logger.warning("agentkv: cannot merge learned counts from %s (%s); retrying, "
                                            "further failures are only counted", peer, exc)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,19 @@ def load_snapshot(
 def restore_or_fresh(
     path: str | os.PathLike[str], config: LearnerConfig | None = None
 ) -> tuple[TransitionLearner, GraphFacts]:
-    """Restore from ``path`` if it exists; on any SnapshotError log why and start fresh."""
+    """Restore from ``path`` if it exists; on any SnapshotError log why, move the refused file aside
+    (``PATH.refused-<unix time>``: the next save would replace it, and it may be a newer agentkv's or
+    worth a look) and start fresh."""
     if not Path(path).exists():
         return TransitionLearner(config), GraphFacts()
     try:
         return load_snapshot(path, config)
     except SnapshotError as exc:
-        logger.warning("agentkv: refusing snapshot, starting with fresh learned state: %s", exc)
+        kept = Path(f"{path}.refused-{int(time.time())}")
+        try:
+            os.replace(path, kept)
+            where = f"kept as {kept}"
+        except OSError as move:
+            where = f"could not be moved aside ({move}): the next save replaces it"
+        logger.warning("agentkv: refusing snapshot, starting with fresh learned state (the file %s): %s", where, exc)
         return TransitionLearner(config), GraphFacts()

@@ -114,6 +114,9 @@ def test_restore_or_fresh_starts_fresh_and_says_why(tmp_path, caplog):
         learner, facts = restore_or_fresh(path, LearnerConfig(max_agents=8))
     assert learner.agents == [] and not facts.has_graph
     assert "refusing snapshot" in caplog.text and "version 0" in caplog.text
+    [kept] = tmp_path.glob("learned.json.refused-*")  # set aside, not left for the next save to replace
+    assert not path.exists() and json.loads(kept.read_text()) == {"format": "agentkv.learned-state", "version": 0}
+    assert str(kept) in caplog.text
     learner, _ = restore_or_fresh(tmp_path / "missing.json")
     assert learner.agents == []
 

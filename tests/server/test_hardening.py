@@ -64,7 +64,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, keyed
         module="agentkv.serve",
         extra_args=["--api-key", KEY],
         env={"AGENTKV_STATS_TOP_AGENTS": str(LISTED_AGENTS), "AGENTKV_MAX_PEERS": str(MAX_PEERS),
-             "AGENTKV_PEERS": f"{GONE_PEER},{keyed_peer}", "AGENTKV_SYNC_INTERVAL": "0.5"},
+             "AGENTKV_PEERS": f"{GONE_PEER}, {keyed_peer}", "AGENTKV_SYNC_INTERVAL": "0.5"},  # a space, too
     )
     with VLLMServer(spec, log_path=tmp_path_factory.mktemp("hardening") / "vllm.log") as running:
         yield running

@@ -293,3 +293,21 @@ async def test_untagged_answers_are_not_watched_without_recognition(runtime_endp
         await c.post("/v1/chat/completions", json={**BODY, **TOOLS})
     await asyncio.sleep(0.2)
     assert runtime_endpoint.timing.told("recognized-2") is None
+
+
+async def test_a_peer_url_httpx_cannot_use_is_counted_and_the_others_are_still_pulled(runtime_endpoint, monkeypatch):
+    """Set by hand (``agentkv serve`` refuses it): a port out of range makes httpx raise no HTTPError."""
+    bad, gone = "http://127.0.0.1:80000", "http://127.0.0.1:9"
+    monkeypatch.setenv("AGENTKV_PEERS", f"{bad}, {gone}/")
+    monkeypatch.setenv("AGENTKV_SYNC_INTERVAL", "0.05")
+    middleware = AgentKVMiddleware(echo_app)
+    assert middleware.peers == [bad, gone]
+    task = asyncio.create_task(middleware._sync_forever())
+    try:
+        for _ in range(200):
+            if min(middleware.sync_failures[bad], middleware.sync_failures[gone]) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert not task.done() and middleware.sync_failures[bad] >= 2 and middleware.sync_failures[gone] >= 2
+    finally:
+        task.cancel()

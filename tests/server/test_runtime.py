@@ -510,6 +510,26 @@ def test_a_streaming_input_request_added_again_with_each_chunk_counts_as_one_cal
 
 
 
+def test_the_tag_cache_holds_live_requests_so_a_long_request_still_frees_its_session(monkeypatch):
+    import server_patch._tagging as tagging
+
+    monkeypatch.setattr(tagging, "_MAX_CACHED_TAGS", 8)
+    now, kv, runtime = quick_sessions()
+    long = request(anchor("coder") + [95] * BS, AgentTag("coder", "long", "", 0))
+    runtime.on_add_request(long)
+    computed, hits, _ = kv.get_computed_blocks(long)
+    assert kv.allocate_slots(long, long.num_tokens - hits, hits, computed) is not None
+    for i in range(20):  # many short calls come and go while it runs
+        serve_once(kv, request(anchor("writer") + [200 + i] * BS, AgentTag("writer", f"short-{i}", "", 0)))
+    assert len(runtime._tags) <= 8 and long.request_id in runtime._tags
+    long.status = RequestStatus.FINISHED_STOPPED
+    kv.free(long)
+    assert long.request_id not in runtime._tags
+    now[0] += 600.0
+    runtime.refresh()
+    assert "long" in runtime.table.dead  # answered, then idle: not kept busy for good
+
+
 def one_call_sessions(n_sessions: int, *, sessions: bool = True):
     """Independent calls, each a session of its own (or of none): "often" every third, four others
     in turn between."""

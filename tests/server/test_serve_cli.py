@@ -45,6 +45,9 @@ def test_help_lists_every_setting_with_its_variable_and_default():
     (["--agentkv-recognize", "maybe"], {}, "--agentkv-recognize takes on or off, not 'maybe'"),
     (["--agentkv-peers", "127.0.0.1:8000"], {}, "--agentkv-peers takes comma-separated http(s) base URLs, "
                                                 "not '127.0.0.1:8000'"),
+    ([], {"AGENTKV_PEERS": "http://127.0.0.1:8001, http://127.0.0.1:80000"},
+     "AGENTKV_PEERS takes comma-separated http(s) base URLs (http://127.0.0.1:80000: Port out of range 0-65535), "
+     "not 'http://127.0.0.1:8001, http://127.0.0.1:80000'"),
     (["--agentkv-snapshot"], {}, "--agentkv-snapshot needs a value (PATH)"),
     ([], {"AGENTKV_SYNC_INTERVAL": "0"}, "AGENTKV_SYNC_INTERVAL takes a number > 0, not '0'"),
     ([], {"AGENTKV_STATS_TOP_AGENTS": "many"}, "AGENTKV_STATS_TOP_AGENTS takes an integer >= 1, not 'many'"),

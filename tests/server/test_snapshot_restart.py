@@ -105,7 +105,8 @@ def _as_transitions(learner: TransitionLearner) -> dict[str, dict[str, float]]:
 
 def test_a_corrupt_snapshot_is_refused_and_the_server_starts_fresh(tiny_model_dir: Path, tmp_path: Path):
     snapshot = tmp_path / "state.json"
-    snapshot.write_text('{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": ["a"], "cou')
+    corrupt = '{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": ["a"], "cou'
+    snapshot.write_text(corrupt)
     spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
                       extra_args=["--agentkv-snapshot", str(snapshot)])  # the flag; the test above uses the variable
     with VLLMServer(spec, log_path=tmp_path / "server.log") as server:
@@ -115,3 +116,5 @@ def test_a_corrupt_snapshot_is_refused_and_the_server_starts_fresh(tiny_model_di
         assert scratch is not None and any(scratch.iterdir())  # vLLM's sockets and files went there...
     assert "refusing snapshot, starting with fresh learned state" in log
     assert not scratch.exists()  # ...and nothing of this server is left in /tmp
+    # the refused file is kept aside: the server's own saves (at shutdown, at the latest) do not replace it
+    assert [kept.read_text() for kept in tmp_path.glob("state.json.refused-*")] == [corrupt]
