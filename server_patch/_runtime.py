@@ -120,6 +120,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self._quoting: OrderedDict[str, str] = OrderedDict()
         self.queue_lengths: Callable[[], tuple[int, int]] | None = None  # set by the scheduler
         self._saved_version: tuple[int, int] | None = None
+        self._writing = threading.Lock()
+        self._copies = self._written = 0
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
         self._scored_policy: tuple[str, int] | None = None

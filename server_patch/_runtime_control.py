@@ -19,8 +19,9 @@ from agentkv.graph import (
     ReuseTable,
     SessionTiming,
     TransitionLearner,
-    save_snapshot,
+    snapshot_document,
     top_successors,
+    write_snapshot,
 )
 from agentkv.protocol import (
     PROTOCOL_VERSION,
@@ -74,6 +75,9 @@ class RuntimeControl:
     policy: str
     anchor_residency: Callable[[str], tuple[int, int]]
     _saved_version: tuple[int, int] | None
+    _writing: threading.Lock  # held while a snapshot is written
+    _copies: int  # snapshots copied so far
+    _written: int  # the number of the latest copy written
     _stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None
     _answer_sessions: OrderedDict[str, str]
     queue_lengths: Callable[[], tuple[int, int]] | None  # the scheduler's (waiting, running), once installed
@@ -239,10 +243,22 @@ class RuntimeControl:
         }
 
     def save(self) -> None:
-        if self.config.snapshot_path:
-            with self.lock:
-                save_snapshot(self.config.snapshot_path, self.learner, self.facts)
-                self._saved_version = (self.learner.version, self.facts.version)
+        """Write the snapshot: the learned state is copied under the engine's lock and encoded and
+        written (fsync, rename) outside it, so that no scheduler step waits on the disk; writes run
+        one at a time, and a copy older than one already written is not written."""
+        path = self.config.snapshot_path
+        if not path:
+            return
+        with self.lock:
+            document = snapshot_document(self.learner, self.facts)
+            version = (self.learner.version, self.facts.version)
+            self._copies += 1
+            copy = self._copies
+        with self._writing:  # never taken before ``lock`` (a control op may hold ``lock`` to save)
+            if copy < self._written:
+                return
+            write_snapshot(path, document)
+            self._written, self._saved_version = copy, version
 
     # -- bounds (docs/server.md, "Limits") ------------------------------------------
 
@@ -251,8 +267,8 @@ class RuntimeControl:
         with self.lock:
             if not self.config.snapshot_path or self._saved_version == (self.learner.version, self.facts.version):
                 return False
-            self.save()
-            return True
+        self.save()
+        return True
 
     def _max_peer_weight(self) -> float:
         """Three times the most a decayed learner can hold per part (transitions, entries, ends), doubled."""

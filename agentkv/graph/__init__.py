@@ -21,7 +21,15 @@ from ._reuse import (
     recency_scorer,
     score_reuse,
 )
-from ._snapshot import SNAPSHOT_VERSION, SnapshotError, load_snapshot, restore_or_fresh, save_snapshot
+from ._snapshot import (
+    SNAPSHOT_VERSION,
+    SnapshotError,
+    load_snapshot,
+    restore_or_fresh,
+    save_snapshot,
+    snapshot_document,
+    write_snapshot,
+)
 from ._timing import GapTable, LiveSessions, SessionTiming, TimingConfig
 
 __all__ = [
@@ -62,6 +70,8 @@ __all__ = [
     "restore_or_fresh",
     "save_snapshot",
     "score_reuse",
+    "snapshot_document",
     "top_successors",
     "transition_entropy_ratio",
+    "write_snapshot",
 ]

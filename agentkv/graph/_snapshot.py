@@ -13,7 +13,8 @@ from typing import Any
 from ._facts import GraphFacts
 from ._learner import LearnerConfig, TransitionLearner
 
-__all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "SnapshotError", "load_snapshot", "restore_or_fresh", "save_snapshot"]
+__all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "SnapshotError", "load_snapshot", "restore_or_fresh", "save_snapshot",
+           "snapshot_document", "write_snapshot"]
 
 SNAPSHOT_FORMAT = "agentkv.learned-state"
 SNAPSHOT_VERSION = 1
@@ -27,12 +28,21 @@ class SnapshotError(ValueError):
 
 def save_snapshot(path: str | os.PathLike[str], learner: TransitionLearner, facts: GraphFacts | None = None) -> None:
     """Write learner counts (and declared facts) to ``path`` atomically (temp file + rename)."""
-    document: dict[str, Any] = {
+    write_snapshot(path, snapshot_document(learner, facts))
+
+
+def snapshot_document(learner: TransitionLearner, facts: GraphFacts | None = None) -> dict[str, Any]:
+    """The snapshot of ``learner`` (and ``facts``): a copy, which neither changes when they do."""
+    return {
         "format": SNAPSHOT_FORMAT,
         "version": SNAPSHOT_VERSION,
         "learner": learner.export_state(),
         "facts": None if facts is None else facts.export(),
     }
+
+
+def write_snapshot(path: str | os.PathLike[str], document: dict[str, Any]) -> None:
+    """Write a ``snapshot_document`` to ``path`` atomically (temp file, fsync, rename)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)

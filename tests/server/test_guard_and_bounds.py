@@ -201,6 +201,37 @@ def test_save_if_changed_and_the_save_op(tmp_path):
     assert not list(tmp_path.glob(".state.json.*"))  # written atomically: no temp file left
 
 
+def test_a_snapshot_is_written_outside_the_engine_lock(tmp_path, monkeypatch):
+    """A slow disk (here a write that takes 0.5 s) never holds up a scheduler step: the engine's lock
+    is free while the snapshot is encoded and written; the save op, which holds it, still saves."""
+    import threading
+
+    import server_patch._runtime_control as control
+
+    path = tmp_path / "state.json"
+    runtime = AgentKVRuntime(RuntimeConfig(snapshot_path=str(path)))
+    _learn_planner_to_coder(runtime)
+    writing, write = threading.Event(), control.write_snapshot
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        time.sleep(0.5)
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(control, "write_snapshot", slow_write)
+    saver = threading.Thread(target=runtime.save)
+    saver.start()
+    assert writing.wait(5)
+    assert runtime.lock.acquire(timeout=0.2)  # as the scheduler's next step would
+    runtime.lock.release()
+    saver.join(5)
+    assert set(load_snapshot(path)[0].agents) == {"planner", "coder", "critic"}
+    runtime.learner.observe("critic", "another", "coder")
+    assert runtime.handle({"op": "save"}) == {"saved": True}  # under the lock, as the middleware asks it
+    assert runtime.handle({"op": "save"}) == {"saved": False}
+    assert load_snapshot(path)[0].dispatches == runtime.learner.dispatches
+
+
 def test_a_failing_periodic_save_is_counted_not_raised():
     def broken() -> bool:
         raise OSError("disk full")
