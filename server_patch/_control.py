@@ -86,11 +86,11 @@ class ControlServer:
                     continue
                 raw = socket.recv()
                 try:
-                    reply = self._handler(json.loads(raw))
-                except Exception as exc:  # the channel must survive any bad request
+                    reply = json.dumps(self._handler(json.loads(raw))).encode()
+                except Exception as exc:  # the channel must survive any bad request (or reply)
                     self._report(exc)
-                    reply = {"error": f"{type(exc).__name__}: {exc}"}
-                socket.send(json.dumps(reply).encode())
+                    reply = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+                socket.send(reply)
         finally:
             socket.close()
             remove_socket_file(self.endpoint)  # libzmq leaves it: one stale file per server run otherwise

@@ -47,8 +47,10 @@ ERRORS: Final = ErrorCounter()
 
 COUNTS: Final[Counter[str]] = Counter()
 """The process-wide client counters (``stats()["counts"]``): tagged requests, dispatches, events..."""
+_COUNTS_LOCK: Final = threading.Lock()  # ``+=`` on a Counter is a read and a write: threads would lose counts
 
 
 def count(kind: str, n: int = 1) -> None:
     """Add ``n`` to the client counter ``kind``."""
-    COUNTS[kind] += n
+    with _COUNTS_LOCK:
+        COUNTS[kind] += n

@@ -257,6 +257,20 @@ def test_control_failures_are_logged_once_per_kind(tmp_path, caplog):
     assert sum("control request failed" in r.message for r in caplog.records) == 1
 
 
+def test_a_reply_that_is_not_json_is_answered_as_an_error_and_the_channel_serves_on(tmp_path):
+    def handler(request: dict) -> dict:
+        return {"value": {1, 2}} if request["op"] == "set" else {"ok": True}
+
+    server = ControlServer(f"ipc://{tmp_path}/c.ipc", handler)
+    try:
+        assert asyncio.run(ask(server.endpoint, {"op": "set"})) == {
+            "error": "TypeError: Object of type set is not JSON serializable"}
+        assert asyncio.run(ask(server.endpoint, {"op": "next"})) == {"ok": True}
+    finally:
+        server.close()
+    assert server.failures == {"TypeError": 1}
+
+
 def test_a_second_engine_cannot_take_over_the_control_socket_silently(tmp_path):
     # binding an ipc path that another socket listens on succeeds in ZMQ and steals it: a second
     # EngineCore of the same API server (vLLM's --data-parallel-size 2) would cut the first one off
