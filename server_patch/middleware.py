@@ -212,6 +212,8 @@ class AgentKVMiddleware:
 
     async def _fetch_stats(self) -> dict[str, Any]:
         stats = await ask(self.endpoint, {"op": "stats"}, self.timeout)
+        if "error" in stats:  # the engine failed to build them (logged there): no document to serve
+            raise ControlUnavailable(f"the engine could not report its stats ({stats['error']})")
         merged = dict(stats.get("malformed_metadata", {}))
         for field, count in self.malformed.by_field.items():
             merged[field] = merged.get(field, 0) + count

@@ -55,6 +55,16 @@ def write_snapshot(path: str | os.PathLike[str], document: dict[str, Any]) -> No
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    try:  # the rename itself survives a power loss once the directory is on disk
+        directory = os.open(target.parent, os.O_RDONLY)
+    except OSError:  # a platform without directory handles: the old snapshot stays whole at worst
+        return
+    try:
+        os.fsync(directory)
+    except OSError:
+        pass
+    finally:
+        os.close(directory)
 
 
 def load_snapshot(

@@ -124,6 +124,18 @@ async def test_stats_and_events_reach_the_engine_runtime(runtime_endpoint):
     assert runtime_endpoint.facts.is_ended("t1")
 
 
+async def test_an_engine_that_fails_to_build_its_stats_gives_503_not_a_200_without_them(runtime_endpoint,
+                                                                                        monkeypatch):
+    def broken() -> dict:
+        raise RuntimeError("stats bug")
+
+    monkeypatch.setattr(runtime_endpoint, "stats", broken)
+    async with client(AgentKVMiddleware(echo_app)) as c:
+        response = await c.get(STATS_PATH)
+        assert response.status_code == 503 and "RuntimeError: stats bug" in response.text
+        assert (await c.get("/metrics")).text == "vllm:prefix_cache_queries_total 3.0\n"  # vLLM's own still flow
+
+
 async def test_a_mute_engine_gives_503_not_500(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTKV_CONTROL", f"ipc://{tmp_path}/nobody.ipc")
     middleware = AgentKVMiddleware(echo_app)
