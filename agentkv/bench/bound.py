@@ -67,7 +67,7 @@ def read_trace(path: str | Path) -> Trace:
     sizes: set[int] = set()
     pools: set[int] = set()
     skipped = 0
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # an undecodable line is malformed, not fatal
         for line in f:
             if not line.strip():
                 continue
@@ -77,10 +77,10 @@ def read_trace(path: str | Path) -> Trace:
                 blocks, size = tuple(str(b) for b in row["blocks"]), int(row["block_size"])
                 pool = row.get("pool_blocks")
                 agent, session, parent, step = map(_text_or_none, map(row.get, ("agent", "session", "parent", "step")))
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, OverflowError):
                 skipped += 1
                 continue
-            if request_id in seen or size < 1 or not 0 <= hit <= tokens or len(blocks) > tokens // size \
+            if request_id in seen or size < 1 or tokens < 1 or not 0 <= hit <= tokens or len(blocks) > tokens // size \
                     or not math.isfinite(t):
                 skipped += 1
                 continue

@@ -79,7 +79,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
                              "the report is relative to them)")
     parser.add_argument("--capacities", type=list_of(at_least(int, 1)), default=None,
                         help="KV cache sizes in blocks (comma-separated); default: --multipliers")
-    parser.add_argument("--multipliers", type=list_of(at_least(float, 0.0, strict=True)),
+    parser.add_argument("--multipliers", type=list_of(at_least(float, 1.0)),  # below 1 no request fits
                         default=list(DEFAULT_MULTIPLIERS),
                         help="candidate capacities as multiples of each tape's largest request "
                              f"(default {','.join(map(str, DEFAULT_MULTIPLIERS))})")
@@ -104,11 +104,13 @@ def run_replay(args: argparse.Namespace) -> None:
     from .sweep import sweep
     from .tape import TapeError, generate, write_tape
 
-    policies = [p for p in args.policies.split(",") if p]
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))  # each once
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"agentkv bench replay: error: --out {out} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
     paths = list(args.tapes)
     if not paths:

@@ -176,12 +176,19 @@ def _worker(config: SoakConfig, url: str, seed: int, deadline: float, budget: It
             tally.record(case, outcome)
 
 
-def run_soak(config: SoakConfig, url: str, pid: int | None) -> dict[str, Any]:
-    """Send the traffic to ``url`` (loopback) and return the report (see ``format_report``)."""
-    _check_loopback(url)
+def _check_cases(config: SoakConfig) -> None:
+    """ValueError unless the cases are known and at least one can be sent (some need ``api_key``)."""
     unknown = set(config.cases) - set(CASES)
     if unknown:
         raise ValueError(f"unknown soak cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+    if not any(config.api_key or not CASES[name][2] for name in config.cases):
+        raise ValueError(f"every case of {', '.join(config.cases)} needs --api-key")
+
+
+def run_soak(config: SoakConfig, url: str, pid: int | None) -> dict[str, Any]:
+    """Send the traffic to ``url`` (loopback) and return the report (see ``format_report``)."""
+    _check_loopback(url)
+    _check_cases(config)
     tally = _Tally()
     lock = threading.Lock()
     counter = iter(range(config.max_requests))
@@ -277,6 +284,10 @@ def main(args: argparse.Namespace) -> None:
                         concurrency=args.concurrency, api_key=args.api_key,
                         cases=list(args.cases), rss_interval=args.rss_interval,
                         seed=args.seed, model=args.model, blocks=args.blocks, out=args.out)
+    try:
+        _check_cases(config)  # before a server is started for nothing
+    except ValueError as exc:
+        raise SystemExit(f"agentkv bench soak: error: {exc}") from None
     if config.url:
         _check_loopback(config.url)
         server: contextlib.AbstractContextManager[tuple[str, int | None]] = contextlib.nullcontext(

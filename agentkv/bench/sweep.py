@@ -100,6 +100,10 @@ def sweep(paths: Sequence[str], *, policies: Sequence[str] = DEFAULT_POLICIES, c
     for path in paths:
         plan = _plan(path)
         caps = sorted(set(capacities)) if capacities else candidate_capacities(plan, multipliers)
+        small = [c for c in caps if c - 1 < plan.max_request_blocks]
+        if capacities and small:
+            print(f"{path}: capacities {', '.join(map(str, small))} cannot hold the tape's largest request "
+                  f"({plan.max_request_blocks} blocks + the null block): not run", file=sys.stderr)
         caps = [c for c in caps if c - 1 >= plan.max_request_blocks]
         if not caps:
             raise CapacityError(f"{path}: no capacity holds the tape's largest request "

@@ -59,9 +59,14 @@ def test_malformed_and_repeated_lines_are_skipped_and_counted(tmp_path):
         _line("r2", ["x1", "x2", "x3"], extra=-BLOCK),  # more full blocks than tokens
         "\n",
         _line("r3", ["x1"], hit=99),  # more hits than tokens
+        '{"id": "r4", "t": 1, "tokens": Infinity, "hit": 0, "blocks": [], "block_size": 4}\n',  # no int holds it
+        json.dumps({"id": "r5", "t": 1, "tokens": 0, "hit": 0, "blocks": [], "block_size": 4}) + "\n",  # no prompt
     ])
+    with open(path, "ab") as f:
+        f.write(b'{"id": "r6", "t": 1, "tokens": 4, "hit": 0, "blocks": [], "block_size": 4, "agent": "\xff\xfe"}\n')
     trace = read_trace(path)
-    assert len(trace.requests) == 1 and trace.skipped == 5
+    assert [r.id for r in trace.requests] == ["r0", "r6"] and trace.skipped == 7
+    assert trace.requests[1].agent == "\ufffd\ufffd"  # not UTF-8: read with replacement characters
 
 
 @pytest.mark.parametrize(("lines", "message"), [

@@ -18,6 +18,8 @@ from agentkv.__main__ import main
         (["bench", "replay", "t.jsonl", "--jobs", "0"], "argument --jobs: must be an integer >= 1"),
         (["bench", "replay", "t.jsonl", "--capacities", "600,0"], "argument --capacities: must be an integer >= 1"),
         (["bench", "replay", "t.jsonl", "--multipliers", ","], "argument --multipliers: no values in ','"),
+        (["bench", "replay", "t.jsonl", "--multipliers", "2,0.5"],
+         "argument --multipliers: must be a finite number >= 1"),
         (["bench", "serve", "--rates", "abc"], "argument --rates: not a number: 'abc'"),
         (["bench", "serve", "--replicas", "0"], "argument --replicas: must be an integer >= 1"),
         (["bench", "serve", "--concurrency", "0"], "argument --concurrency: must be an integer >= 1"),

@@ -197,6 +197,28 @@ def test_cli_refuses_capacities_below_the_largest_request(tmp_path):
                                          "largest request (11 blocks + the null block)")
 
 
+def test_cli_says_which_capacities_it_does_not_run_and_runs_each_policy_once(tmp_path, capsys):
+    import json
+
+    from agentkv.__main__ import main
+
+    out = tmp_path / "out"
+    main(["bench", "replay", str(ODD_SHAPES), "--capacities", "5,40", "--policies", "lru,lru, belady",
+          "--no-preflight", "--jobs", "1", "--quiet", "--out", str(out)])
+    assert f"{ODD_SHAPES}: capacities 5 cannot hold the tape's largest request" in capsys.readouterr().err
+    results = json.loads((out / "replay.json").read_text())["results"]
+    assert sorted((r["capacity"], r["policy"]) for r in results) == [(40, "belady"), (40, "lru")]
+
+
+def test_cli_refuses_an_out_path_that_is_a_file(tmp_path):
+    from agentkv.__main__ import main
+
+    taken = tmp_path / "out"
+    taken.write_text("")
+    with pytest.raises(SystemExit, match=f"--out {taken} is a file, not a directory"):
+        main(["bench", "replay", str(ODD_SHAPES), "--jobs", "1", "--quiet", "--out", str(taken)])
+
+
 def test_a_tape_without_parents_replays_as_the_one_with_them():
     from agentkv.bench.tape import Tape, WorkloadConfig, generate
 

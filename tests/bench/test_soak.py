@@ -30,6 +30,11 @@ def test_refuses_anything_but_loopback_and_unknown_cases():
         run_soak(SoakConfig(minutes=0.01, cases=["nope"]), "http://127.0.0.1:9", None)
 
 
+def test_cases_that_all_need_a_key_are_refused_without_one_before_anything_starts(capsys):
+    with pytest.raises(SystemExit, match="every case of unauthenticated needs --api-key"):
+        main(["bench", "soak", "--cases", "unauthenticated", "--minutes", "0.01"])  # no --url: none started
+
+
 def test_process_rss_reads_proc():
     rss = process_rss(os.getpid())
     assert rss["api_server"] > 0

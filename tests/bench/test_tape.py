@@ -99,6 +99,9 @@ def test_an_empty_segment_adds_no_token():
            "tool_gap": 0},
           {"t": 0.5, "session": "b", "agent": "x", "parent": "", "segments": [["k", 2]], "output_tokens": 1,
            "tool_gap": 0}], "back in time"),
+        ([{"format": "agentkv-tape", "version": 1, "block_size": 16},  # an integer no float holds
+          {"t": 10**400, "session": "a", "agent": "x", "parent": "", "segments": [["k", 2]], "output_tokens": 1,
+           "tool_gap": 0}], "finite"),
     ],
 )
 def test_malformed_tapes_name_the_line(lines, message):

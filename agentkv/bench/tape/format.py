@@ -249,7 +249,11 @@ def _parse_request(obj: object, line: int, index: int) -> TapeRequest:
         raise _fail(line, "a request's prompt needs at least one token")
     if sum(n for _, n in segments) + obj["output_tokens"] > MAX_REQUEST_TOKENS:
         raise _fail(line, f"a request's prompt and output tokens must total at most {MAX_REQUEST_TOKENS:,}")
-    if not (math.isfinite(obj["t"]) and math.isfinite(obj["tool_gap"])):
+    try:  # an integer too large for a float overflows
+        finite = math.isfinite(obj["t"]) and math.isfinite(obj["tool_gap"])
+    except OverflowError:
+        finite = False
+    if not finite:
         raise _fail(line, "t and tool_gap must be finite numbers")
     if obj["output_tokens"] < 1 or obj["tool_gap"] < 0 or obj["t"] < 0 or not obj["session"] or not obj["agent"]:
         raise _fail(line, "output_tokens >= 1, tool_gap >= 0, t >= 0 and non-empty session and agent are required")
