@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable, Collection
 from typing import TypeVar
 
-__all__ = ["at_least", "list_of", "names_from"]
+__all__ = ["at_least", "list_of", "names_from", "port_number"]
 
 N = TypeVar("N", int, float)
 
@@ -28,6 +28,14 @@ def at_least(cast: Callable[[str], N], minimum: float, *, strict: bool = False) 
         return value
 
     return parse
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 1 to 65535."""
+    port = at_least(int, 1)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (1 to 65535), got {text!r}")
+    return port
 
 
 def list_of(item: Callable[[str], N]) -> Callable[[str], list[N]]:

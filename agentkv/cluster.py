@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
-from agentkv._arguments import at_least
+from agentkv._arguments import at_least, port_number
 from agentkv.launcher import HOST, PORT_RETRIES, VLLM_MODULE, Command, ServerProcess, free_port, lost_a_port
 
 __all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
@@ -56,6 +56,11 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("--replicas must be >= 1")
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name) or self.name.strip(".") == "":
+            raise ValueError(f"--name takes letters, digits, '-', '_' and '.', not {self.name!r}")
+        # vLLM takes --flag=value as well as --flag value: one form to read
+        self.vllm_args = [part for arg in self.vllm_args
+                          for part in (arg.split("=", 1) if arg.startswith("--") and "=" in arg else (arg,))]
         if {"--host", "--port"} & set(self.vllm_args):
             raise ValueError("the cluster picks each replica's --host and --port itself")
         self.check_policy(self.policy)
@@ -300,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--replicas", type=at_least(int, 1), default=2)
     up.add_argument("--router-policy", choices=POLICIES, default="kv_aware")
     up.add_argument("--vanilla", action="store_true", help="replicas without the agentkv extension")
-    up.add_argument("--port", type=at_least(int, 1), default=None, help="router port (default: a free one)")
+    up.add_argument("--port", type=port_number, default=None, help="router port (default: a free one)")
     up.add_argument("--sync-interval", type=at_least(float, 0.0, strict=True), default=5.0,
                     help="seconds between learned-state merges")
     up.add_argument("--name", default="default")

@@ -69,9 +69,10 @@ class ServeConfig:
             raise ValueError(f"unknown router policy {sorted(unknown)}; choose from {choices}")
         if unknown := set(self.routing_keys) - {"session", "agent"}:
             raise ValueError(f"unknown routing key {sorted(unknown)}; choose from session, agent")
-        if self.replicas > 1 and (self.blocks - 1) // self.replicas * self.block_size < self.max_model_len:
-            raise ValueError(f"--blocks {self.blocks} split over {self.replicas} replicas leaves less than "
-                             f"--max-model-len {self.max_model_len} tokens per replica")
+        if (self.blocks - 1) // self.replicas * self.block_size < self.max_model_len:  # vLLM would refuse to start
+            split = f" split over {self.replicas} replicas" if self.replicas > 1 else ""
+            raise ValueError(f"--blocks {self.blocks}{split} leaves less than --max-model-len {self.max_model_len} "
+                             f"tokens{' per replica' if split else ''}")
 
     @property
     def replica_blocks(self) -> int:

@@ -30,6 +30,7 @@ from agentkv.__main__ import main
         (["bench", "soak", "--concurrency", "0"], "argument --concurrency: must be an integer >= 1"),
         (["bench", "soak", "--cases", "valid_chat,nope"], "argument --cases: unknown cases ['nope']"),
         (["bench", "soak", "--minutes", "-1"], "argument --minutes: must be a finite number > 0"),
+        (["cluster", "up", "--port", "70000", "m"], "argument --port: must be a port number (1 to 65535), got '70000'"),
     ],
 )
 def test_bad_values_are_usage_errors(argv, message, capsys):
@@ -45,6 +46,10 @@ def test_options_the_benchmark_cannot_combine_exit_with_one_line():
     text = str(exit_info.value.code)
     assert text.startswith("agentkv bench serve: --blocks 100 split over 4 replicas leaves less than")
     assert "\n" not in text
+    with pytest.raises(SystemExit) as exit_info:  # one server: refused before the model is built
+        main(["bench", "serve", "--blocks", "10"])
+    assert str(exit_info.value.code) == ("agentkv bench serve: --blocks 10 leaves less than --max-model-len 2048 "
+                                         "tokens")
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,20 @@ def test_config_refuses_what_cannot_run():
         ClusterConfig("m", policy="kv_aware")
     with pytest.raises(ValueError, match="--host and --port"):
         ClusterConfig("m", vllm_args=[*ARGS, "--port", "8000"])
+    with pytest.raises(ValueError, match="--host and --port"):
+        ClusterConfig("m", vllm_args=[*ARGS, "--port=8000"])
+    for name in ("a/b", "..", "", "x y"):  # a name becomes a file name
+        with pytest.raises(ValueError, match="--name takes letters"):
+            ClusterConfig("m", vllm_args=ARGS, name=name)
     config = ClusterConfig("m", policy="consistent_hash")  # no block size needed
     with pytest.raises(ValueError, match="--block-size"):
         config.check_policy("kv_aware")
+
+
+def test_flags_given_as_flag_equals_value_are_read_like_the_others():
+    config = ClusterConfig("m", vllm_args=["--block-size=16", "--served-model-name=tiny", "--max-model-len", "2048"])
+    assert config.block_size == 16 and config.served_model_name == "tiny"
+    assert config.vllm_args == ["--block-size", "16", "--served-model-name", "tiny", "--max-model-len", "2048"]
 
 
 def test_router_command_lines(tmp_path):
