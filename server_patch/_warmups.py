@@ -18,6 +18,9 @@ LEAD_BOUNDS: Final = (0.05, 0.2, 1.0, 5.0, 30.0)
 # The survival a warm-up decision reads is over this many latest outcomes, so that it follows the
 # pool's pressure as the workload changes rather than the server's whole life.
 SURVIVAL_WINDOW: Final = 100
+# At most this many agents' warm-ups are pending (agent names are the client's): a warm-up past it
+# supersedes the oldest pending one.
+MAX_PENDING: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +39,8 @@ class WarmupLedger:
     starts with them), a warmed block is evicted (``wasted``: ``evicted``), ``window`` seconds pass
     (``wasted``: ``expired``), or a new warm-up of the agent replaces it (``wasted``: ``superseded``).
 
-    Invariants: at most one pending warm-up per agent; ``sent == useful + wasted + redundant +
+    Invariants: at most one pending warm-up per agent, and at most ``MAX_PENDING`` in all (the
+    latest); ``sent == useful + wasted + redundant +
     pending``; ``_holders`` maps exactly the hashes of pending warm-ups to their agents; the lead
     buckets count every useful warm-up once (``sum(lead_counts) == useful``); ``_survived`` holds
     the latest ``SURVIVAL_WINDOW`` outcomes that tell survival (useful: True; evicted or missed:
@@ -67,6 +71,8 @@ class WarmupLedger:
         self._pending[agent] = _Warmed(tuple(block_hashes), self.clock())
         for block_hash in block_hashes:
             self._holders.setdefault(block_hash, set()).add(agent)
+        if len(self._pending) > MAX_PENDING:
+            self._resolve(next(iter(self._pending)), "superseded")  # the oldest (a dict keeps insertion order)
 
     def used(self, agent: str, block_hashes: Sequence[Hashable], hit_blocks: int) -> None:
         """A real request of ``agent`` was admitted with ``hit_blocks`` leading blocks from the cache."""

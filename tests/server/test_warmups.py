@@ -9,7 +9,7 @@ import jsonschema
 from agentkv.protocol import STATS_SCHEMA, AgentTag
 from server_patch._metrics import render_metrics
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
-from server_patch._warmups import DEFAULT_WINDOW, SURVIVAL_WINDOW, WarmupLedger
+from server_patch._warmups import DEFAULT_WINDOW, MAX_PENDING, SURVIVAL_WINDOW, WarmupLedger
 
 from .test_runtime import AGENTS, ANCHOR_BLOCKS, BS, anchor, manager, request, run
 
@@ -209,6 +209,21 @@ def test_a_warmup_replaced_by_a_newer_one_is_superseded_and_says_nothing_about_s
     assert stats["wasted_by"]["superseded"] == 1
     ledger.evicted(("old", 0))  # the replaced warm-up's blocks no longer settle anything
     assert ledger.stats()["wasted"] == 1
+
+
+def test_warmups_of_ever_new_agent_names_keep_a_bounded_ledger() -> None:
+    """Agent names are the client's: warm-ups of more agents than MAX_PENDING within the window
+    supersede the oldest pending ones instead of piling up (with their block hashes)."""
+    ledger = WarmupLedger(Clock())
+    for i in range(MAX_PENDING + 76):
+        ledger.warmed(f"agent-{i}", [("w", i, b) for b in range(8)], 0, 8)
+    stats = ledger.stats()
+    assert stats["pending"] == MAX_PENDING and stats["wasted_by"]["superseded"] == 76
+    assert stats["sent"] == stats["useful"] + stats["wasted"] + stats["redundant"] + stats["pending"]
+    assert len(ledger._holders) == 8 * MAX_PENDING
+    ledger.used("agent-0", [("w", 0, b) for b in range(8)], 8)  # superseded already: settles nothing
+    ledger.used(f"agent-{MAX_PENDING + 75}", [("w", MAX_PENDING + 75, b) for b in range(8)], 8)
+    assert ledger.stats()["useful"] == 1
 
 
 def test_the_view_lists_the_64_agents_seen_most_recently() -> None:
