@@ -159,7 +159,7 @@ def _check_loopback(url: str) -> None:
 def _worker(config: SoakConfig, url: str, seed: int, deadline: float, budget: Iterator[int], tally: _Tally) -> None:
     rng = random.Random(seed)
     ctx = SoakContext(config.model, config.api_key)
-    names = [n for n in config.cases if config.api_key or not CASES[n][2]]
+    names = _sendable_cases(config)
     weights = [CASES[n][1] for n in names]
     with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT, trust_env=False) as client:
         while time.monotonic() < deadline and next(budget, None) is not None:
@@ -176,12 +176,17 @@ def _worker(config: SoakConfig, url: str, seed: int, deadline: float, budget: It
             tally.record(case, outcome)
 
 
+def _sendable_cases(config: SoakConfig) -> list[str]:
+    """The cases of ``config`` that can be sent: those that need an API key only with ``api_key``."""
+    return [name for name in config.cases if config.api_key or not CASES[name][2]]
+
+
 def _check_cases(config: SoakConfig) -> None:
     """ValueError unless the cases are known and at least one can be sent (some need ``api_key``)."""
     unknown = set(config.cases) - set(CASES)
     if unknown:
         raise ValueError(f"unknown soak cases {sorted(unknown)}; choose from {', '.join(CASES)}")
-    if not any(config.api_key or not CASES[name][2] for name in config.cases):
+    if not _sendable_cases(config):
         raise ValueError(f"every case of {', '.join(config.cases)} needs --api-key")
 
 
