@@ -33,6 +33,9 @@ POLICIES = ("kv_aware", "consistent_hash", "cache_aware", "round_robin")
 
 logger = logging.getLogger("agentkv.cluster")
 
+# agentkv settings that name one server's own file: replicas cannot share them
+_ONE_PER_SERVER = {"--agentkv-snapshot": "AGENTKV_SNAPSHOT", "--agentkv-trace": "AGENTKV_TRACE"}
+
 
 @dataclass
 class ClusterConfig:
@@ -63,6 +66,12 @@ class ClusterConfig:
                           for part in (arg.split("=", 1) if arg.startswith("--") and "=" in arg else (arg,))]
         if {"--host", "--port"} & set(self.vllm_args):
             raise ValueError("the cluster picks each replica's --host and --port itself")
+        env = {**os.environ, **self.env}
+        shared = [flag for flag, name in _ONE_PER_SERVER.items()
+                  if flag in self.vllm_args or (env.get(name, "").strip() and not self.vanilla)]
+        if shared and self.replicas > 1:
+            raise ValueError(f"{' and '.join(shared)} would be one file for {self.replicas} replicas "
+                             f"(unset {', '.join(_ONE_PER_SERVER[flag] for flag in shared)} for the cluster)")
         self.check_policy(self.policy)
 
     def check_policy(self, policy: str) -> None:

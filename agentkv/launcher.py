@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -38,6 +38,9 @@ __all__ = [
 HOST = "127.0.0.1"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 LAUNCH_ENV: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+# Variables that name one server's own endpoint: never passed on from the caller (``agentkv serve``
+# gives each server a fresh one; two servers on one would refuse to start or cross their replies).
+PER_SERVER_ENV = frozenset({"AGENTKV_CONTROL"})
 WARM_UP_TOKENS = 16  # a started server's first forward pass (``ServerProcess._warm_up``): under a block
 
 SERVING_LINE = b"Application startup complete"  # uvicorn's, once vLLM's API server serves
@@ -134,8 +137,9 @@ class ServerProcess:
       nothing running. The log file is kept after stop (see :attr:`log_path`).
     * Not restartable: one instance runs at most one server. Only :meth:`start` launches again,
       when a port the instance chose itself was taken before the server bound it.
-    * The child's environment: the caller's, :data:`LAUNCH_ENV`, ``TMPDIR`` (a directory of its
-      own), ``base_env`` (default :attr:`default_env`), then the spec's ``env``; later ones win.
+    * The child's environment: the caller's (less :data:`PER_SERVER_ENV`), :data:`LAUNCH_ENV`,
+      ``TMPDIR`` (a directory of its own), ``base_env`` (default :attr:`default_env`), then the
+      spec's ``env``; later ones win.
       :meth:`stop` removes that directory, with what vLLM leaves in it (its ZMQ sockets and
       ``vllm_dist_*`` files, ~10 per start, are never removed by vLLM itself).
     """
@@ -164,6 +168,7 @@ class ServerProcess:
         self.stop_timeout = stop_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._scratch: str | None = None
+        self._api_key: str | None = None  # the key the launched server requires, if any
         self._launched_at = 0.0
         self.startup_seconds: float | None = None
 
@@ -214,13 +219,16 @@ class ServerProcess:
         if self._proc is not None:
             raise RuntimeError(f"{type(self).__name__}.start() called twice")
         self._scratch = tempfile.mkdtemp(prefix="akv-")  # short: ZMQ socket paths must fit 107 bytes
-        env = {**os.environ, **LAUNCH_ENV, "TMPDIR": self._scratch, **self.base_env, **self.spec.env}
+        inherited = {name: value for name, value in os.environ.items() if name not in PER_SERVER_ENV}
+        env = {**inherited, **LAUNCH_ENV, "TMPDIR": self._scratch, **self.base_env, **self.spec.env}
+        command = self.spec.command(self._port)
+        self._api_key = _api_key(command) or env.get("VLLM_API_KEY") or None  # vLLM's flag wins
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._launched_at = time.monotonic()
         try:
             with open(self.log_path, "wb") as log:
                 self._proc = subprocess.Popen(
-                    self.spec.command(self._port),
+                    command,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -287,8 +295,7 @@ class ServerProcess:
         spec = self.spec
         if not isinstance(spec, ServerSpec):
             return
-        args = spec.extra_args
-        headers = {"Authorization": f"Bearer {args[args.index('--api-key') + 1]}"} if "--api-key" in args[:-1] else {}
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         body = {"model": spec.served_model_name, "prompt": list(range(11, 11 + WARM_UP_TOKENS)), "max_tokens": 1}
         httpx.post(self.base_url + "/v1/completions", json=body, headers=headers, timeout=timeout,
                    trust_env=False).raise_for_status()
@@ -362,6 +369,17 @@ class ServerProcess:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r}, pid={self.pid}, log={str(self.log_path)!r})"
+
+
+def _api_key(args: Sequence[str]) -> str | None:
+    """The last ``--api-key KEY`` or ``--api-key=KEY`` of a vLLM command line (vLLM's argparse keeps the last)."""
+    key = None
+    for index, arg in enumerate(args):
+        if arg == "--api-key" and index + 1 < len(args):
+            key = args[index + 1]
+        elif arg.startswith("--api-key="):
+            key = arg.partition("=")[2]
+    return key
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

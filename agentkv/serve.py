@@ -21,6 +21,8 @@ from agentkv.settings import SETTINGS, SettingError
 from server_patch import ASYNC_SCHEDULER, MIDDLEWARE, SCHEDULER
 
 _BY_FLAG = {setting.flag: setting for setting in SETTINGS}
+# vLLM keeps one scheduler class, the last given (its --middleware is a list: a user's own one is added)
+_EXTENSION_FLAGS = frozenset({"--scheduler-cls"})
 
 
 def _is_cpu_build() -> bool:
@@ -38,6 +40,10 @@ def vllm_command(vllm_args: list[str], *, cpu: bool | None = None) -> list[str]:
     """
     if vllm_args and not vllm_args[0].startswith("-"):
         vllm_args = ["--model", *vllm_args]
+    taken = [arg for arg in vllm_args if arg.partition("=")[0] in _EXTENSION_FLAGS]
+    if taken:
+        raise SettingError(f"{taken[0].partition('=')[0]} is agentkv's own: agentkv serve sets it "
+                           "(the scheduler that evicts by next use)")
     cpu = _is_cpu_build() if cpu is None else cpu
     extension = ["--scheduler-cls", SCHEDULER if cpu else ASYNC_SCHEDULER, "--middleware", MIDDLEWARE]
     if "--enable-prompt-tokens-details" not in vllm_args:
@@ -60,7 +66,7 @@ def take_agentkv_flags(args: list[str], env: dict[str, str] | os._Environ[str]) 
             out.append(arg)
             continue
         raw = value if eq else next(rest, None)
-        if raw is None:
+        if raw is None or (not eq and raw.startswith("--")):  # the next flag is no value
             raise SettingError(f"{name} needs a value ({setting.metavar})")
         env[setting.env] = setting.value(raw, source=name)
     return out
@@ -101,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = take_agentkv_flags(args, os.environ)
         check_environment(os.environ)
+        command = vllm_command(args)
     except SettingError as exc:
         print(f"agentkv serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
     os.environ.setdefault("AGENTKV_CONTROL", f"ipc://{tempfile.gettempdir()}/agentkv-{uuid.uuid4().hex[:12]}.ipc")
-    command = vllm_command(args)
     os.execv(command[0], command)
 
 

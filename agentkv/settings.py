@@ -13,7 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["SETTINGS", "Setting", "SettingError"]
+__all__ = ["MAX_HORIZON", "SETTINGS", "Setting", "SettingError", "env_number", "env_switch", "env_text"]
+
+MAX_HORIZON = 128  # dispatches a fixed K may look ahead (a table of K x agents^2 is rebuilt every refresh)
 
 
 class SettingError(ValueError):
@@ -58,16 +60,24 @@ def _text(raw: str) -> str:
 
 
 def _urls(raw: str) -> str:
-    urls = [url.strip() for url in raw.split(",") if url.strip()]
-    for url in urls:
+    """Comma-separated server base URLs, each kept as ``scheme://host[:port]`` (a ``/v1`` or ``/``
+    after it dropped: the peers' routes are read from their root)."""
+    roots = []
+    for url in (part.strip() for part in raw.split(",")):
+        if not url:
+            continue
         try:
             parts = urlsplit(url)
-            parts.port  # noqa: B018 (raises on a port out of range)
+            port = parts.port  # raises on a port out of range
         except ValueError as exc:
             raise ValueError(f"takes comma-separated http(s) base URLs ({url}: {exc})") from exc
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError("takes comma-separated http(s) base URLs")
-    return ",".join(urls)
+        path = parts.path.rstrip("/")
+        path = path[: -len("/v1")] if path.endswith("/v1") else path
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or path or parts.query:
+            which = "" if url == raw.strip() else f" ({url!r} is not one)"
+            raise ValueError(f"takes comma-separated http(s) base URLs like http://host:8000{which}")
+        roots.append(f"{parts.scheme}://{parts.netloc}")
+    return ",".join(roots)
 
 
 @dataclass(frozen=True)
@@ -94,11 +104,11 @@ class Setting:
             raise SettingError(f"{source} {exc}, not {raw!r}") from None
 
     def checked_env(self, env: Mapping[str, str]) -> str | None:
-        """The fallback from ``env`` if set, validated; an empty value means unset, and switches keep
-        the server's own reading of any text."""
+        """The fallback from ``env`` as the server reads it, validated (SettingError naming the
+        variable); None when unset or empty."""
         raw = env.get(self.env)
-        if not raw or self.parse is _switch:
-            return raw
+        if raw is None or not raw.strip():
+            return None
         return self.value(raw, source=self.env)
 
 
@@ -106,13 +116,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("enabled", "AGENTKV_ENABLED", "on|off", "on", "off keeps vLLM's own free queue (exact LRU); "
             "stats, eviction counters and learning still run", _switch),
     Setting("horizon", "AGENTKV_HORIZON", "K", "learned", "fixes K, the dispatches looked ahead "
-            "(learned: up to 24, until no first use further on is likely)", _number(int, 1)),
+            "(learned: up to 24, until no first use further on is likely)", _number(int, 1, high=MAX_HORIZON)),
     Setting("r-min", "AGENTKV_R_MIN", "R", "0", "below this predictability R every group scores alike: "
             "plain LRU (0: the model ranks from the first tagged request on)", _number(float, 0, high=1)),
     Setting("refresh-interval", "AGENTKV_REFRESH_INTERVAL", "SECONDS", "0.1", "least seconds between two "
             "evaluations of the next-use model (a session event applies at once; shorter while sessions call "
             "faster: a quarter of the learned median gap)", _number(float, 0)),
-    Setting("decay", "AGENTKV_DECAY", "LAMBDA", "1/60", "per second, of the recency tie-break between "
+    Setting("decay", "AGENTKV_DECAY", "LAMBDA", "0.01667 (1/60)", "per second, of the recency tie-break between "
             "blocks of close value", _number(float, 0)),
     Setting("recognize", "AGENTKV_RECOGNIZE", "on|off", "on", "recognize the agents and sessions of "
             "untagged requests", _switch),
@@ -143,3 +153,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("allow-lru-fallback", "AGENTKV_ALLOW_LRU_FALLBACK", "on|off", "off", "on: on an unsupported "
             "vLLM, run as plain LRU instead of refusing to start", _switch),
 )
+
+_BY_ENV = {setting.env: setting for setting in SETTINGS}
+
+
+def env_text(env: Mapping[str, str], name: str) -> str | None:
+    """Variable ``name`` of ``env`` as its setting accepts it; None when unset or empty; SettingError
+    (naming the variable) when refused. The server reads every setting through this, so a server
+    started by hand refuses what ``agentkv serve`` refuses."""
+    return _BY_ENV[name].checked_env(env)
+
+
+def env_switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A switch (on/off, 1/0, true/false, yes/no) from ``env``; ``default`` when unset."""
+    value = env_text(env, name)
+    return default if value is None else value == "1"
+
+
+def env_number(env: Mapping[str, str], name: str, default: float) -> float:
+    """A number from ``env`` within its setting's bounds; ``default`` when unset."""
+    value = env_text(env, name)
+    return default if value is None else float(value)

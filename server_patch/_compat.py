@@ -5,7 +5,10 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 from dataclasses import dataclass
+
+from agentkv.settings import env_switch
 
 __all__ = [
     "SUPPORTED", "GateResult", "UnsupportedVLLM", "check_vllm", "gate", "is_supported_release", "supported_lines",
@@ -72,9 +75,15 @@ def _resolve(path: str) -> object:
     return obj
 
 
+# A final release, a post-release or a local build of one (0.32.0, 0.33.1.post1, 0.32.0+cpu);
+# pre-releases and dev builds (0.33.0rc1, 0.33.0.dev12+g1234) are not the code that was checked.
+_FINAL_RELEASE = re.compile(r"(\d+)\.(\d+)\.\d+(\.post\d+)?(\+[0-9A-Za-z.]+)?")
+
+
 def is_supported_release(version: str) -> bool:
-    """Whether ``version`` belongs to one of the SUPPORTED release lines."""
-    return version.startswith(tuple(f"{line}." for line in SUPPORTED))
+    """Whether ``version`` is a final release of one of the SUPPORTED release lines."""
+    match = _FINAL_RELEASE.fullmatch(version.strip())
+    return match is not None and f"{match[1]}.{match[2]}" in SUPPORTED
 
 
 def supported_lines() -> str:
@@ -126,7 +135,7 @@ def gate() -> GateResult:
     try:
         return GateResult(check_vllm(), enabled=True)
     except UnsupportedVLLM as exc:
-        if os.environ.get("AGENTKV_ALLOW_LRU_FALLBACK") != "1":
+        if not env_switch(os.environ, "AGENTKV_ALLOW_LRU_FALLBACK", False):
             raise
         logger.error("%s; running as plain LRU because AGENTKV_ALLOW_LRU_FALLBACK=1", exc)
         import vllm

@@ -8,25 +8,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agentkv.graph import LearnerConfig, ReuseConfig
+from agentkv.settings import env_number, env_switch, env_text
 
 from ._free_queue import DEFAULT_DECAY
 
 __all__ = ["RuntimeConfig", "recognition_on"]
 
 
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number") from exc
-
-
 def recognition_on(env: Mapping[str, str] = os.environ) -> bool:
-    """``AGENTKV_RECOGNIZE``: on unless ``0`` or ``off`` (read alike by the engine and the middleware)."""
-    return env.get("AGENTKV_RECOGNIZE", "1") not in ("0", "off")
+    """``AGENTKV_RECOGNIZE`` (on unless switched off), read alike by the engine and the middleware."""
+    return env_switch(env, "AGENTKV_RECOGNIZE", True)
 
 
 @dataclass(frozen=True)
@@ -50,23 +41,24 @@ class RuntimeConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> RuntimeConfig:
+        """The settings in ``env``; a value ``agentkv serve`` would refuse raises its SettingError."""
         defaults = cls()
-        horizon = env.get("AGENTKV_HORIZON")
+        horizon = env_text(env, "AGENTKV_HORIZON")
         reuse = ReuseConfig(
-            r_min=_env_float(env, "AGENTKV_R_MIN", defaults.reuse.r_min),
-            steps=None if not horizon else int(_env_float(env, "AGENTKV_HORIZON", 0)),
+            r_min=env_number(env, "AGENTKV_R_MIN", defaults.reuse.r_min),
+            steps=None if horizon is None else int(float(horizon)),
         )
         return cls(
-            enabled=env.get("AGENTKV_ENABLED", "1") != "0",
+            enabled=env_switch(env, "AGENTKV_ENABLED", True),
             reuse=reuse,
-            decay=_env_float(env, "AGENTKV_DECAY", defaults.decay),
+            decay=env_number(env, "AGENTKV_DECAY", defaults.decay),
             recognize=recognition_on(env),
-            refresh_interval=_env_float(env, "AGENTKV_REFRESH_INTERVAL", defaults.refresh_interval),
-            snapshot_path=env.get("AGENTKV_SNAPSHOT") or None,
-            snapshot_interval=_env_float(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),
-            trace_path=env.get("AGENTKV_TRACE") or None,
-            listed_agents=int(_env_float(env, "AGENTKV_STATS_TOP_AGENTS", defaults.listed_agents)),
-            max_peers=int(_env_float(env, "AGENTKV_MAX_PEERS", defaults.max_peers)),
-            peer_weight=_env_float(env, "AGENTKV_PEER_WEIGHT", defaults.peer_weight),
-            replica=env.get("AGENTKV_REPLICA") or defaults.replica,
+            refresh_interval=env_number(env, "AGENTKV_REFRESH_INTERVAL", defaults.refresh_interval),
+            snapshot_path=env_text(env, "AGENTKV_SNAPSHOT"),
+            snapshot_interval=env_number(env, "AGENTKV_SNAPSHOT_INTERVAL", defaults.snapshot_interval),
+            trace_path=env_text(env, "AGENTKV_TRACE"),
+            listed_agents=int(env_number(env, "AGENTKV_STATS_TOP_AGENTS", defaults.listed_agents)),
+            max_peers=int(env_number(env, "AGENTKV_MAX_PEERS", defaults.max_peers)),
+            peer_weight=env_number(env, "AGENTKV_PEER_WEIGHT", defaults.peer_weight),
+            replica=env_text(env, "AGENTKV_REPLICA") or defaults.replica,
         )

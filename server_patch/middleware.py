@@ -41,6 +41,7 @@ from agentkv.protocol import (
     parse_header_list,
     parse_xargs,
 )
+from agentkv.settings import env_number, env_switch, env_text
 
 from ._answers import AnswerWatch
 from ._config import recognition_on
@@ -80,13 +81,14 @@ class AgentKVMiddleware:
     def __init__(self, app: ASGIApp) -> None:
         configure_logging()
         self.app = app
-        self.strict = os.environ.get("AGENTKV_STRICT") == "1"
+        self.strict = env_switch(os.environ, "AGENTKV_STRICT", False)
         self.recognize = recognition_on()
         self.endpoint = control_endpoint(os.getpid())
         self.timeout = 5.0  # seconds to wait for the engine's answer before a 503
         self.malformed = MalformedCounter(logger)
-        self.peers = [p.strip().rstrip("/") for p in os.environ.get("AGENTKV_PEERS", "").split(",") if p.strip()]
-        self.sync_interval = float(os.environ.get("AGENTKV_SYNC_INTERVAL", "5"))
+        peers = env_text(os.environ, "AGENTKV_PEERS")  # base URLs, each scheme://host[:port]
+        self.peers = peers.split(",") if peers else []
+        self.sync_interval = env_number(os.environ, "AGENTKV_SYNC_INTERVAL", 5.0)
         self.sync_failures: Counter[str] = Counter()  # per peer; the first failure is logged
         self._sync_task: asyncio.Task[None] | None = None
         self._guard: ApiKeyGuard | None = None

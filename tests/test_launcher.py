@@ -51,3 +51,51 @@ def test_a_given_port_is_never_swapped_for_another(tmp_path):
         with pytest.raises(RuntimeError, match="Address already in use"):
             server.start(timeout=30)
     assert server.port == port and not server.running
+
+
+# A stand-in for vLLM's API server module: /health, and /v1/completions behind vLLM's key rule
+# (the last --api-key, else VLLM_API_KEY); it records the AGENTKV_CONTROL it was given.
+_KEYED_SERVER = """
+import http.server, os, pathlib, sys
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+key = os.environ.get("VLLM_API_KEY")
+for index, arg in enumerate(args):
+    if arg == "--api-key":
+        key = args[index + 1]
+    elif arg.startswith("--api-key="):
+        key = arg.split("=", 1)[1]
+pathlib.Path(os.environ["SEEN"]).write_text(os.environ.get("AGENTKV_CONTROL", "unset"))
+class Keyed(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        ok = key is None or self.headers.get("Authorization") == f"Bearer {key}"
+        self.send_response(200 if ok else 401); self.end_headers(); self.wfile.write(b"{}")
+print("Application startup complete", flush=True)
+http.server.HTTPServer(("127.0.0.1", port), Keyed).serve_forever()
+"""
+
+
+@pytest.mark.parametrize(("extra_args", "env", "exported"), [
+    (["--api-key", "K"], {}, {}),
+    (["--api-key=K"], {}, {}),
+    ([], {"VLLM_API_KEY": "K"}, {}),
+    ([], {}, {"VLLM_API_KEY": "K"}),
+    (["--api-key=old", "--api-key", "K"], {}, {"VLLM_API_KEY": "other"}),
+])
+def test_the_first_completion_sends_the_key_the_server_requires(tmp_path, monkeypatch, extra_args, env, exported):
+    """vLLM requires ``--api-key K``, ``--api-key=K`` or an exported VLLM_API_KEY alike: a server
+    started with any of them passes its first completion (it failed with a 401 for the last two)."""
+    from agentkv.launcher import ServerSpec
+
+    (tmp_path / "keyed_server.py").write_text(_KEYED_SERVER)
+    for name, value in exported.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AGENTKV_CONTROL", "ipc:///tmp/the-callers-own.ipc")  # one server's endpoint
+    seen = tmp_path / "control"
+    spec = ServerSpec(tmp_path, module="keyed_server", extra_args=extra_args,
+                      env={"PYTHONPATH": str(tmp_path), "SEEN": str(seen), **env})
+    with ServerProcess(spec, log_path=tmp_path / "keyed.log", stop_timeout=5).start(timeout=30):
+        assert seen.read_text() == "unset"  # never passed on: each server gets its own

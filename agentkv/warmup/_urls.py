@@ -11,7 +11,7 @@ _LOOPBACK: Final = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 
 
 def same_server(url_a: str, url_b: str) -> bool:
-    """Whether two base URLs name the same server (scheme-less host:port; loopback names are equal)."""
+    """Whether two base URLs name the same server (by host and port; loopback names are equal)."""
     a, b = urlsplit(str(url_a)), urlsplit(str(url_b))
     host_a = "loopback" if (a.hostname or "") in _LOOPBACK else (a.hostname or "")
     host_b = "loopback" if (b.hostname or "") in _LOOPBACK else (b.hostname or "")
@@ -23,8 +23,11 @@ def _default_port(scheme: str) -> int:
 
 
 def server_root(url: str) -> str:
-    """``http://host:port`` from a base URL that may end in ``/v1``."""
-    parts = urlsplit(url.rstrip("/"))
+    """``http://host:port`` from a base URL that may end in ``/v1``; ValueError unless it is an
+    http(s) URL with a host (``localhost:8000`` would name no server: its scheme is ``localhost``)."""
+    parts = urlsplit(str(url).strip().rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"a server base URL is http(s)://host[:port][/v1], not {url!r}")
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]

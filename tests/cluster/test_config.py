@@ -31,6 +31,16 @@ def test_config_refuses_what_cannot_run():
         config.check_policy("kv_aware")
 
 
+def test_replicas_never_share_one_snapshot_or_trace_file(monkeypatch):
+    with pytest.raises(ValueError, match="--agentkv-snapshot would be one file for 2 replicas"):
+        ClusterConfig("m", vllm_args=[*ARGS, "--agentkv-snapshot=/tmp/s.json"])
+    monkeypatch.setenv("AGENTKV_TRACE", "/tmp/t.jsonl")
+    with pytest.raises(ValueError, match=r"--agentkv-trace would be one file for 3 replicas \(unset AGENTKV_TRACE"):
+        ClusterConfig("m", vllm_args=ARGS, replicas=3)
+    ClusterConfig("m", vllm_args=ARGS, replicas=1)  # one server: its own file
+    ClusterConfig("m", vllm_args=ARGS, vanilla=True)  # vanilla vLLM reads no AGENTKV_* variable
+
+
 def test_flags_given_as_flag_equals_value_are_read_like_the_others():
     config = ClusterConfig("m", vllm_args=["--block-size=16", "--served-model-name=tiny", "--max-model-len", "2048"])
     assert config.block_size == 16 and config.served_model_name == "tiny"

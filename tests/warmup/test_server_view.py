@@ -190,6 +190,15 @@ def test_replica_urls_are_taken_as_server_roots():
         == ("http://a:1", "http://b:2")
 
 
+@pytest.mark.parametrize(("base", "replicas"), [("localhost:8000", ()), ("http://127.0.0.1:9", ("10.0.0.1:8000",)),
+                                                ("http://:8000", ())])
+def test_a_url_naming_no_server_is_refused_when_the_coordinator_is_built(base, replicas):
+    """``localhost:8000`` parses as scheme ``localhost``: taken as given, no response ever matched
+    it and no warm-up was sent, silently."""
+    with pytest.raises(ValueError, match="a server base URL is http"):
+        WarmupCoordinator(base, replicas=replicas)
+
+
 @pytest.mark.server
 def test_a_plain_vllm_is_read_through_its_own_metrics(vanilla_server):
     """Against a real vLLM without agentkv: no view (404), so the load comes from vLLM's own
