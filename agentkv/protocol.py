@@ -9,6 +9,7 @@ never import vllm.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections import Counter
@@ -242,8 +243,9 @@ def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseR
     """Parse the agentkv headers of one request (header names are case-insensitive).
 
     ``X-Session-ID`` alone does not make a tag, but it stands in for a missing
-    ``X-AgentKV-Session``; the header is vLLM's, so a value outside agentkv's ids does not make
-    the tag malformed: it is left out (the engine counts it where it reads the header).
+    ``X-AgentKV-Session`` (not on a warm-up, where it is a routing key only); the header is
+    vLLM's, so a value outside agentkv's ids does not make the tag malformed: it is left out
+    (the engine counts it where it reads the header).
     """
     lowered = {k.lower(): v.strip(_OWS) for k, v in headers.items()}
     values: dict[str, object] = {}
@@ -251,7 +253,9 @@ def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseR
         if header.lower() in lowered:
             values[key] = lowered[header.lower()]
     stand_in = lowered.get(HEADER_VLLM_SESSION.lower())
-    if values and "session" not in values and stand_in is not None and _ID_PATTERN.fullmatch(stand_in):
+    warmup = "warmup" in values  # a warm-up carries X-Session-ID only as a routing key: it joins no session
+    if values and not warmup and "session" not in values and stand_in is not None \
+            and _ID_PATTERN.fullmatch(stand_in):
         values["session"] = stand_in
     return _parse(values, _HEADER_NAMES, strict)
 
@@ -416,12 +420,40 @@ STATS_SCHEMA: Final[dict[str, Any]] = {
 _EVENTS_VALIDATOR: Final = jsonschema.Draft202012Validator(EVENTS_SCHEMA)
 
 
+_MAX_ERROR_MESSAGE = 200  # characters of a schema error told back (its message quotes the value)
+_MAX_EVENTS: Final = EVENTS_SCHEMA["properties"]["events"]["maxItems"]
+_MAX_LISTS: Final = {name: field["maxItems"] for name, field in
+                     EVENTS_SCHEMA["properties"]["events"]["items"]["oneOf"][0]["properties"].items()
+                     if field.get("type") == "array"}
+
+
+def _check_sizes(payload: object) -> None:
+    """The schema's size caps, checked first and by hand: jsonschema reads every item of an
+    over-long list before it says so (seconds for 200,000 of them)."""
+    events = payload.get("events") if isinstance(payload, dict) else None
+    if not isinstance(events, list):
+        return  # the schema names the problem
+    if len(events) > _MAX_EVENTS:
+        raise ProtocolError(f"invalid events payload at events: {len(events)} events, at most {_MAX_EVENTS}")
+    for number, event in enumerate(events):
+        for name, cap in _MAX_LISTS.items():
+            value = event.get(name) if isinstance(event, dict) else None
+            if isinstance(value, list) and len(value) > cap:
+                raise ProtocolError(f"invalid events payload at events/{number}/{name}: "
+                                    f"{len(value)} items, at most {cap}")
+
+
 def validate_events(payload: object) -> list[dict[str, Any]]:
-    """Return the events of a ``POST /agentkv/v1/events`` body, or raise ProtocolError."""
-    error = jsonschema.exceptions.best_match(_EVENTS_VALIDATOR.iter_errors(payload))
+    """Return the events of a ``POST /agentkv/v1/events`` body, or raise ProtocolError (its
+    message at most a few hundred characters, whatever the payload)."""
+    _check_sizes(payload)
+    # the first error only (with its context): reading on to rank them all took seconds on 1,000 bad events
+    error = jsonschema.exceptions.best_match(itertools.islice(_EVENTS_VALIDATOR.iter_errors(payload), 1))
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "body"
-        raise ProtocolError(f"invalid events payload at {where}: {error.message}")
+        message = error.message if len(error.message) <= _MAX_ERROR_MESSAGE else \
+            error.message[:_MAX_ERROR_MESSAGE] + "..."
+        raise ProtocolError(f"invalid events payload at {where[:_MAX_ERROR_MESSAGE]}: {message}")
     assert isinstance(payload, dict)
     events = list(payload["events"])
     for number, event in enumerate(events):  # the schema's pattern lets "id\n" through; validate_id does not

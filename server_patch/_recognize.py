@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import secrets
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -177,6 +178,8 @@ class Recognizer:
         self._split: _Node = self.root
         self._seen = 0
         self._session_ids = 0
+        # a client's X-Session-ID may be "fs:1" too: recognized ids carry this process's own word
+        self._session_prefix = f"fs:{secrets.token_hex(4)}:"
         self.recognized = 0
         self.unrecognized = 0
         self.followed = 0  # requests that continued an earlier request's session
@@ -387,7 +390,7 @@ class Recognizer:
                     self.quoting += 1
                     return session, self._session(session)
         self._session_ids += 1
-        session = f"fs:{self._session_ids:x}"
+        session = f"{self._session_prefix}{self._session_ids:x}"
         return session, self._session(session)
 
     def observe_answer(self, session: str, output_tokens: Sequence[int]) -> None:

@@ -85,13 +85,14 @@ class RuntimeControl:
     # -- control channel -----------------------------------------------------------
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Serve one control request from the API server (runs in the control thread)."""
+        """Serve one control request from the API server (runs in the control thread). A payload
+        is validated before the engine's lock is taken: a scheduler step never waits on it."""
+        op = request.get("op")
+        if op == "events":
+            return self.apply_events(request.get("payload"))
         with self.lock:
-            op = request.get("op")
             if op == "stats":
                 return self.stats()
-            if op == "events":
-                return self.apply_events(request.get("payload"))
             if op == "state":
                 return self.learner.export_counts(self.config.replica, self.epoch).to_json()
             if op == "merge":
@@ -167,10 +168,16 @@ class RuntimeControl:
         return {"merged": self.learner.merge_peer(self._bounded_influence(export))}
 
     def apply_events(self, payload: object) -> dict[str, Any]:
+        """Validate a ``POST /agentkv/v1/events`` body (outside the engine's lock: a scheduler step
+        never waits on it), then apply its events in order under the lock."""
         try:
             events = validate_events(payload)
         except ProtocolError as exc:
             return {"error": str(exc), "status": 400}
+        with self.lock:
+            return self._apply_events(events)
+
+    def _apply_events(self, events: list[dict[str, Any]]) -> dict[str, Any]:
         accepted = duplicates = 0
         for event in events:
             try:

@@ -73,6 +73,12 @@ _MAX_AGENTKV_DEPTH = 16  # agentkv's own documents nest at most 4 deep
 _MAX_REQUEST_DEPTH = 128  # completion bodies re-encoded here (JSON schemas nest, but not this deep)
 
 
+def _route(scope: Scope) -> str:
+    """The request's path as vLLM routes it: without the app's ``--root-path`` prefix."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 class AgentKVMiddleware:
     """Invariants: a request without agentkv metadata passes through byte for byte (its response
     is only read); with an API key configured, no ``/agentkv/*`` request is acted on (or its body
@@ -106,7 +112,7 @@ class AgentKVMiddleware:
             self._guard = ApiKeyGuard.for_scope(scope)
         if self.peers and self._sync_task is None:
             self._sync_task = asyncio.get_running_loop().create_task(self._sync_forever())
-        path, method = scope["path"], scope["method"]
+        path, method = _route(scope), scope["method"]
         authorized = method == "OPTIONS" or self._guard.allows(scope)  # vLLM lets preflights through too
         if path.startswith(_AGENTKV_PREFIX) and not authorized:
             await _json(send, 401, {"error": "Unauthorized"})  # vLLM's own answer on /v1
@@ -139,7 +145,7 @@ class AgentKVMiddleware:
         if not has_agentkv_headers and _XARG_PREFIX.encode() not in body:
             if self.recognize:  # the engine may recognize its session: tell it how this one was answered
                 offered = b'"tools"' in body and _BACKGROUND.search(body) is None
-                send = self._watching(send, AnswerWatch(None, offered, path=scope["path"]))
+                send = self._watching(send, AnswerWatch(None, offered, path=_route(scope)))
             await self.app(scope, _replay(body, receive), send)  # nothing of agentkv's: byte for byte
             return
         try:
@@ -174,12 +180,18 @@ class AgentKVMiddleware:
             scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"] + [
                 (b"content-length", str(len(body)).encode())
             ]
-        tag = body_result.tag if body_result.tag is not None else header_result.tag
-        if tag is not None and not body_result.errors and (tag.session or (self.recognize and not tag.warmup)):
+        # the tag the engine reads: none when the body's was malformed (its keys are dropped)
+        tag = None if body_result.errors else body_result.tag or header_result.tag
+        # a warm-up's one-token answer says nothing of its agent's session: never told; without a
+        # session the engine may recognize one: told, as an untagged answer, by response id
+        if tag is None:
+            watched, session = self.recognize, None
+        else:
+            watched, session = not tag.warmup and (bool(tag.session) or self.recognize), tag.session or None
+        if watched:
             tools = document.get("tools")
             offered = isinstance(tools, list) and bool(tools) and document.get("background") is not True
-            # without a session the engine may recognize one: told, as an untagged answer, by response id
-            send = self._watching(send, AnswerWatch(tag.session or None, offered, path=scope["path"]))
+            send = self._watching(send, AnswerWatch(session, offered, path=_route(scope)))
         await self.app(scope, _replay(body, receive), send)
 
     def _watching(self, send: Send, watch: AnswerWatch) -> Send:

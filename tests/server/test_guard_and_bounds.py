@@ -182,6 +182,34 @@ def test_agent_rows_are_bounded_with_an_other_bucket():
     assert sum(r["queries"] for r in rows.values()) == sum(10 * (n + 1) for n in range(8))
 
 
+def test_an_events_payload_is_validated_outside_the_engine_lock(monkeypatch):
+    """Validating a 1 MiB events body takes a second or more; the scheduler (which takes the
+    engine's lock at every step) never waits on it: it stalled 5-11 s before."""
+    import threading
+
+    import server_patch._runtime_control as control
+
+    runtime, original = AgentKVRuntime(RuntimeConfig()), control.validate_events
+    held: list[bool] = []
+
+    def probe() -> None:  # another thread, as the scheduler's
+        free = runtime.lock.acquire(blocking=False)
+        held.append(not free)
+        if free:
+            runtime.lock.release()
+
+    def validate(payload: object) -> list[dict[str, object]]:
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+        return original(payload)
+
+    monkeypatch.setattr(control, "validate_events", validate)
+    reply = runtime.handle({"op": "events", "payload": {"version": 1, "events": [
+        {"type": "session_end", "session": "s"}]}})
+    assert reply == {"accepted": 1, "duplicates": 0} and held == [False]
+
+
 def test_save_if_changed_and_the_save_op(tmp_path):
     path = tmp_path / "state.json"
     runtime = AgentKVRuntime(RuntimeConfig(snapshot_path=str(path)))

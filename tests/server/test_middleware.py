@@ -271,14 +271,17 @@ def test_the_answered_op_refuses_malformed_input(request_):
     ("/v1/messages", MESSAGES_EVENTS, "chatcmpl-3"),
 ])
 @pytest.mark.parametrize("headers", [{}, {"X-AgentKV-Agent": "coder"}], ids=["untagged", "agent-only"])
-async def test_an_answer_without_a_session_is_told_by_its_response_id(runtime_endpoint, path, chunks, key, headers):
-    """No agentkv metadata at all, or an agent and no session: recognition may have found its session."""
+@pytest.mark.parametrize("text", [{}, {"user": "what is agentkv_agent?"}], ids=["", "naming-agentkv"])
+async def test_an_answer_without_a_session_is_told_by_its_response_id(runtime_endpoint, path, chunks, key, headers,
+                                                                       text):
+    """No agentkv metadata at all, or an agent and no session: recognition may have found its session.
+    An untagged body that only mentions ``agentkv_`` (read as JSON: no tag) was never told."""
     middleware = AgentKVMiddleware(answering_app(chunks))
-    session = f"recognized-{key}-{len(headers)}"
+    session = f"recognized-{key}-{len(headers)}-{len(text)}"
     runtime_endpoint.timing.observe(session, "fp:abc", 0.0, 0)
     runtime_endpoint._answer_sessions[key] = session  # what recognizing the request recorded
     async with client(middleware) as c:
-        response = await c.post(path, json={**BODY, **TOOLS}, headers=headers)
+        response = await c.post(path, json={**BODY, **TOOLS, **text}, headers=headers)
     assert response.content == b"".join(chunks)
     assert await _told(runtime_endpoint, session) is True
     assert middleware.answer_failures == 0
@@ -296,6 +299,39 @@ async def test_an_untagged_response_run_in_the_background_tells_nothing(runtime_
     assert await _told(runtime_endpoint, session) is told
 
 
+async def test_a_warm_up_answer_is_never_told_for_the_session_it_is_routed_by(runtime_endpoint):
+    """A warm-up sends X-Session-ID as a routing key (agentkv.warmup, routing key "session"): it is
+    no call of that session. Its one-token answer (no tool call, though the anchor offers tools)
+    overwrote the session's last real answer (a tool call), and the session was tagged with it."""
+    seen: list[object] = []
+
+    async def vllm(scope, receive, send):
+        seen.append(json.loads((await receive())["body"]).get("vllm_xargs"))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        answer = b'{"id":"chatcmpl-w","choices":[{"finish_reason":"length"}]}'
+        await send({"type": "http.response.body", "body": answer})
+
+    runtime_endpoint.timing.observe("s1", "coder", 0.0, 0)
+    runtime_endpoint.timing.answered("s1", True)
+    headers = {"X-AgentKV-Agent": "coder", "X-AgentKV-Warmup": "1", "X-Session-ID": "s1"}
+    async with client(AgentKVMiddleware(vllm)) as c:
+        await c.post("/v1/chat/completions", json={**BODY, **TOOLS, "max_tokens": 1}, headers=headers)
+    await asyncio.sleep(0.2)
+    assert seen == [{"agentkv_agent": "coder", "agentkv_warmup": 1}]  # no session of its own
+    assert runtime_endpoint.timing.told("s1") is True and not runtime_endpoint.answers
+
+
+async def test_behind_a_root_path_tags_and_routes_are_read_as_vllm_routes_them(runtime_endpoint):
+    """vLLM's ``--root-path /api`` serves ``/api/v1/...`` (the scope's path keeps the prefix; vLLM's
+    routing and auth strip it): the tag was dropped silently and ``/api/agentkv/v1/view`` was 404."""
+    transport = httpx.ASGITransport(app=AgentKVMiddleware(echo_app), root_path="/api")
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        echoed = (await c.post("/api/v1/completions", json=BODY, headers=TAG)).json()
+        view = await c.get("/api/agentkv/v1/view")
+    assert json.loads(echoed["body"])["vllm_xargs"]["agentkv_agent"] == "coder"
+    assert view.status_code == 200 and "anchors" in view.json()
+
+
 async def test_untagged_answers_are_not_watched_without_recognition(runtime_endpoint, monkeypatch):
     monkeypatch.setenv("AGENTKV_RECOGNIZE", "0")
     middleware = AgentKVMiddleware(answering_app([b'{"id":"chatcmpl-1","choices":[{"finish_reason":"tool_calls"}]}']))
@@ -308,12 +344,19 @@ async def test_untagged_answers_are_not_watched_without_recognition(runtime_endp
 
 
 async def test_a_peer_url_httpx_cannot_use_is_counted_and_the_others_are_still_pulled(runtime_endpoint, monkeypatch):
-    """Set by hand (``agentkv serve`` refuses it): a port out of range makes httpx raise no HTTPError."""
+    """A port out of range makes httpx raise no HTTPError. A server started by hand refuses it as
+    ``agentkv serve`` does; should one get through, it is counted like any failing peer."""
+    from agentkv.settings import SettingError
+
     bad, gone = "http://127.0.0.1:80000", "http://127.0.0.1:9"
     monkeypatch.setenv("AGENTKV_PEERS", f"{bad}, {gone}/")
+    with pytest.raises(SettingError, match="AGENTKV_PEERS takes comma-separated http"):
+        AgentKVMiddleware(echo_app)
+    monkeypatch.setenv("AGENTKV_PEERS", f"{gone}/v1/")
     monkeypatch.setenv("AGENTKV_SYNC_INTERVAL", "0.05")
     middleware = AgentKVMiddleware(echo_app)
-    assert middleware.peers == [bad, gone]
+    assert middleware.peers == [gone]  # its root: /agentkv/v1/state is pulled from there
+    middleware.peers = [bad, gone]
     task = asyncio.create_task(middleware._sync_forever())
     try:
         for _ in range(200):

@@ -248,3 +248,17 @@ def test_a_prompt_that_quotes_earlier_answers_joins_their_session_after_its_late
     c = recognize(2, work.anchors["c"] + notes + a_answer + b_answer)  # quotes a's answer most, b's last
     assert a.session == b.session == c.session
     assert (b.parent, c.parent) == (a.agent, b.agent) and len({a.agent, b.agent, c.agent}) == 3
+
+
+def test_a_session_recognition_opens_is_never_one_a_client_named():
+    """Recognized sessions were ``fs:1``, ``fs:2``...: a client's own X-Session-ID ``fs:1`` and
+    another client's first recognized call shared one session (its parent, its step)."""
+    work = Workload({"a": text("anchor-a", 100), "b": text("anchor-b", 100)})
+    for s in range(6):
+        work.call(f"s{s}", "a", session_id=f"chat-{s}")
+        work.call(f"s{s}", "b", session_id=f"chat-{s}")
+    work.call("client1", "b", session_id="fs:1")
+    work.call("client2", "a")  # untagged, no session id: recognition opens one
+    named, opened = work.seen[-2][2], work.seen[-1][2]
+    assert named.session == "fs:1" and opened.session != "fs:1"
+    assert opened.session.startswith("fs:") and opened.parent == "" and opened.step == 0
