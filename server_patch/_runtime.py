@@ -357,7 +357,10 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             and np.array_equal(hazard, self._hazard)
         steps, tolerance = config.steps or config.max_steps, 0.0 if config.steps else config.step_tolerance
         agents = len(chain.agents)
-        if self._passage is None or self._stale("passage", (agents, self.facts.version), dispatches, now):
+        # keyed on declarations alone: session events leave the chain as it was; checked (and so
+        # recorded) on the first build too, or the evaluation after it would build again
+        stale = self._stale("passage", (agents, self.facts.graph_version), dispatches, now)
+        if self._passage is None or stale:
             if self._passage is None or self._passage.shape[1] > agents:
                 self._passage = first_passage_steps(chain.matrix, steps, tolerance=tolerance)  # none to read
                 partial = False

@@ -33,6 +33,9 @@ class GraphFacts:
     the agents a session may start with; ``ended`` is bounded by ``max_ended`` and
     ordered oldest first; the graph never holds more than ``max_nodes`` nodes and
     ``max_edges`` edges (a declaration that would exceed them is refused whole).
+    ``version`` changes with every applied fact; ``graph_version`` only with a declaration,
+    the only fact the chain depends on (session events leave it, and what is built on the
+    chain, alone).
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class GraphFacts:
         self.max_nodes = max_nodes
         self.max_edges = max_edges
         self.version = 0
+        self.graph_version = 0
 
     # -- declaring -----------------------------------------------------------------
 
@@ -79,6 +83,7 @@ class GraphFacts:
         self.entry.update(a for a in entry if a not in (START, END))
         self.graph.add_nodes_from(self.entry)
         self.version += 1
+        self.graph_version += 1
 
     def _check_room(self, nodes: list[str], pairs: list[tuple[str, str]], entry: list[str]) -> None:
         named = {*nodes, *entry, *(a for pair in pairs for a in pair)} - {START, END}

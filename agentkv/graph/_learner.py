@@ -56,7 +56,9 @@ class TransitionLearner:
     ``_interposed[i] / _weight`` the number of i's calls found interposed (see :meth:`observe`);
     ``_best[i]`` is an argmax of row i (-1: empty row);
     every agent index in ``_sessions`` names a live agent; ``_sessions`` is ordered by
-    last activity, least recent first.
+    last activity, least recent first; ``_naming[i]`` holds exactly the live sessions whose
+    lineage names slot i (as their agent, or as the previous agent of what their call taught),
+    so that recycling a slot visits those alone.
     """
 
     def __init__(self, config: LearnerConfig | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -74,6 +76,7 @@ class TransitionLearner:
         self._best: list[int] = []  # per row, the column of its largest count (-1: empty row)
         self._weight = 1.0
         self._sessions: OrderedDict[str, SessionLineage] = OrderedDict()
+        self._naming: list[set[str]] = []  # per slot, the live sessions naming it
         self._dispatches = 0
         self._predictions = 0
         self._correct = 0
@@ -134,7 +137,7 @@ class TransitionLearner:
         self._agent_seen[index] = self._dispatches
         interposed = None
         if parent and previous_index is not None and state is not None:
-            interposed = self._take_back_if_interposed(state, previous_index, step)
+            interposed = self._take_back_if_interposed(session, state, previous_index, step)  # type: ignore[arg-type]
         predicted = None
         learned = None
         self._age()
@@ -156,14 +159,14 @@ class TransitionLearner:
             if best < 0 or count > counts[previous_index, best]:
                 self._best[previous_index] = index
         if session is not None:
-            self._sessions[session] = SessionLineage(index, now, step, learned)
-            self._sessions.move_to_end(session)
+            self._place(session, SessionLineage(index, now, step, learned))
             if len(self._sessions) > self.config.max_sessions:
-                self._sessions.popitem(last=False)
+                self._drop(next(iter(self._sessions)))
         self.version += 1
         return Observation(agent, session, None if previous_index is None else previous, predicted)
 
-    def _take_back_if_interposed(self, state: SessionLineage, parent: int, step: int | None) -> int | None:
+    def _take_back_if_interposed(self, session: str, state: SessionLineage, parent: int,
+                                 step: int | None) -> int | None:
         """Undo the current agent X's P -> X if this dispatch (parent P) shows X was interposed; X or None."""
         learned = state.learned
         if learned is None or learned.previous != parent or state.index == parent:
@@ -183,12 +186,30 @@ class TransitionLearner:
         self._correct -= learned.hit
         with suppress(ValueError):  # unless it already left the window
             self._recent.remove((learned.prediction, learned.hit))
+        self._naming[parent].discard(session)  # no longer named: parent != state.index, checked above
         state.learned = None
         return interposed
 
+    def _place(self, session: str, state: SessionLineage) -> None:
+        """Make ``state`` the session's lineage, its most recent, indexed by the slots it names."""
+        self._drop(session)
+        self._sessions[session] = state
+        self._naming[state.index].add(session)
+        if state.learned is not None:
+            self._naming[state.learned.previous].add(session)
+
+    def _drop(self, session: str) -> SessionLineage | None:
+        """Forget a live session (None if unknown), and its entries in ``_naming``."""
+        state = self._sessions.pop(session, None)
+        if state is not None:
+            self._naming[state.index].discard(session)
+            if state.learned is not None:
+                self._naming[state.learned.previous].discard(session)
+        return state
+
     def end_session(self, session: str) -> None:
         """The session ended (or was cancelled): learn that its last agent ended it."""
-        state = self._sessions.pop(session, None)
+        state = self._drop(session)
         if state is not None:
             self._ends[state.index] += self._weight
             self.version += 1
@@ -216,6 +237,8 @@ class TransitionLearner:
             self.end_session(session)  # idle past the TTL: the session is over
 
     def _intern(self, agent: str) -> int:
+        """The slot of ``agent``; a new agent's slot is stamped as seen now, so that interning
+        several (a peer's merge) recycles a different stale slot for each, not the same one."""
         index = self._index.get(agent)
         if index is not None:
             return index
@@ -225,10 +248,12 @@ class TransitionLearner:
             index = len(self._names)
             self._names.append(agent)
             self._best.append(-1)
+            self._naming.append(set())
         else:
             index = self._evict_agent()
             self._names[index] = agent
         self._index[agent] = index
+        self._agent_seen[index] = self._dispatches
         return index
 
     def _grow(self) -> None:
@@ -254,11 +279,13 @@ class TransitionLearner:
         for row, best in enumerate(self._best):
             if best == index or row == index:
                 self._recompute_best(row)
-        for session in [s for s, state in self._sessions.items() if state.index == index]:
-            del self._sessions[session]
-        for state in self._sessions.values():
-            if state.learned is not None and state.learned.previous == index:
+        for session in list(self._naming[index]):
+            state = self._sessions[session]
+            if state.index == index:
+                self._drop(session)
+            else:
                 state.learned = None  # its count was cleared with the row
+        self._naming[index].clear()
         return index
 
     def _recompute_best(self, row: int) -> None:

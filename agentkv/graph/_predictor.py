@@ -38,7 +38,9 @@ class Predictor:
     """Combines a TransitionLearner with optional GraphFacts; facts outrank counts.
 
     A transition the declared graph rules out gets probability 0 and the rest of its
-    row is renormalised. The chain is rebuilt only when the learner or facts changed.
+    row is rescaled to the row's learned total: the learned chance that a session ends
+    there is kept (facts bound where a session goes, not whether it stops). The chain is
+    rebuilt only when the learner or facts changed.
     """
 
     def __init__(self, learner: TransitionLearner, facts: GraphFacts | None = None) -> None:
@@ -48,7 +50,7 @@ class Predictor:
         self._chain: ChainModel | None = None
 
     def chain(self) -> ChainModel:
-        key = (self.learner.version, -1 if self.facts is None else self.facts.version)
+        key = (self.learner.version, -1 if self.facts is None else self.facts.graph_version)
         if self._chain is None or key != self._cache_key:
             self._chain = self._build()
             self._cache_key = key
@@ -61,10 +63,10 @@ class Predictor:
         if self.facts is not None:
             mask = self.facts.transition_mask(agents)
             if mask is not None:
-                matrix = _renormalise(np.where(mask, matrix, 0.0))
+                matrix = _rescaled(np.where(mask, matrix, 0.0), matrix)
             entry_mask = self.facts.entry_mask(agents)
             if entry_mask is not None:
-                entry = _renormalise(np.where(entry_mask, entry, 0.0)[None, :])[0]
+                entry = _rescaled(np.where(entry_mask, entry, 0.0)[None, :], entry[None, :])[0]
         return ChainModel(tuple(agents), matrix, entry, {a: i for i, a in enumerate(agents)})
 
     def next_distribution(self, agent: str | None) -> dict[str, float]:
@@ -101,7 +103,10 @@ def top_successors(chain: ChainModel, agents: Iterable[str]) -> dict[str, Predic
             if p > q}
 
 
-def _renormalise(matrix: np.ndarray) -> np.ndarray:
-    """Scale rows to sum to 1; all-zero rows stay zero (the session can only end there)."""
-    sums = matrix.sum(axis=1, keepdims=True)
-    return np.divide(matrix, sums, out=np.zeros_like(matrix), where=sums > 0)
+def _rescaled(allowed: np.ndarray, learned: np.ndarray) -> np.ndarray:
+    """The rows of ``allowed`` (``learned`` with ruled-out entries zeroed) scaled to sum to the
+    rows of ``learned``: 1 - sum is the chance of ending there, kept. All-zero rows stay zero
+    (the session can only end there)."""
+    sums = allowed.sum(axis=1, keepdims=True)
+    scale = np.divide(learned.sum(axis=1, keepdims=True), sums, out=np.zeros_like(sums), where=sums > 0)
+    return allowed * scale

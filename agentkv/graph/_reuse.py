@@ -272,14 +272,16 @@ class ReuseTable:
         return changed
 
     def _untagged_score(self) -> float:
-        # Nothing is known of an untagged block: value it at a share of a typical live
-        # conversation's next use (or of a typical anchor's while no session is live).
+        """``untagged_weight`` times a typical live conversation's next use (or a typical anchor's
+        while no session is live), in the unit of every group: a typical value of 0 (most live
+        sessions at an agent that ends them, or idle past every learned gap) scores the floor,
+        never above the anchors."""
         if self.session_rate.size:
             typical = self.session_rate.max(axis=1)
         else:
             typical = self.anchor_rate[self.anchor_rate > 0]
         value = float(np.median(typical)) if len(typical) else 0.0
-        return math.floor(math.log(self.untagged_weight * value + _FLOOR) * _STEPS) / _STEPS if value > 0 else 0.0
+        return math.floor(math.log(self.untagged_weight * value + _FLOOR) * _STEPS) / _STEPS
 
     def survival(self, agent: str) -> float:
         """P(agent's anchor is used within ``horizon_s``), read off its rate."""

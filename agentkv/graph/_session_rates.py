@@ -13,6 +13,7 @@ from ._timing import GapTable, LiveSessions
 __all__ = ["SURE", "rate_after", "session_rates"]
 
 SURE = 1.0 - 1e-9  # the largest chance of a use within the resolution (keeps log1p finite)
+_GATHER_LIMIT = 3_000_000  # table entries gathered per evaluation before grouping by row (~24 MB; the crossover)
 
 
 def rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
@@ -23,12 +24,25 @@ def rate_after(time: np.ndarray, resolution: float) -> np.ndarray:
 def _over_steps(weights: np.ndarray, table: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """out[s] = sum over k of weights[k, s] * table[rows[s], k, :], ``table`` by origin (i, K, a).
 
-    A run of rows that is every start in order (one session per agent: the rows of a session just
-    dispatched) is read in place, not copied: at many agents the copy would cost more than the sum.
+    Small: one product over table[rows] (a K x n slice gathered per session; a run of rows that
+    is every start in order, the rows of a session just dispatched, is read in place). Past
+    ``_GATHER_LIMIT`` entries, one product per distinct row over a broadcast view of its slice:
+    the gather would copy 0.5 GiB and take most of a second at 256 agents and 10k sessions,
+    while at 24 agents and 100 sessions a product per row costs 4x the gather. The same einsum
+    either way, so a session's sum is the same bits whichever sessions are evaluated with it
+    (at one agent einsum may sum otherwise: never grouped), and a partial evaluation
+    reproduces a full one.
     """
+    out = np.empty((len(rows), table.shape[2]))
+    if len(table) > 1 and len(rows) * table.shape[1] * table.shape[2] > _GATHER_LIMIT:
+        order = np.argsort(rows, kind="stable")
+        for part in np.split(order, np.flatnonzero(np.diff(rows[order])) + 1):  # the sessions of one row each
+            if len(part):  # (no sessions: one empty part)
+                shared = np.broadcast_to(table[rows[part[0]]], (len(part), *table.shape[1:]))  # a view
+                out[part] = np.einsum("sk,skn->sn", weights[:, part].T, shared)
+        return out
     n = len(table)
     split = len(rows) - n if len(rows) >= n and np.array_equal(rows[len(rows) - n:], np.arange(n)) else len(rows)
-    out = np.empty((len(rows), table.shape[2]))
     np.einsum("sk,skn->sn", weights[:, :split].T, table.take(rows[:split], axis=0), out=out[:split])
     if split < len(rows):
         np.einsum("sk,skn->sn", weights[:, split:].T, table, out=out[split:])

@@ -305,3 +305,17 @@ def test_interposed_counts_survive_export_import_and_merge_with_peers(tmp_path):
     document["sequence"] = 99  # an older replica's document, without interposed counts
     assert learner.merge_peer(PeerExport.from_json(document))
     assert learner.interposed_counts().tolist() == [0.0, 4.0, 0.0, 0.0]
+
+
+def test_a_peers_agents_each_take_their_own_stale_slot_when_the_table_is_full():
+    """A recycled slot is stamped as seen: interning a peer's agents one after the other used to
+    recycle the same stale slot each time, keeping only the last of them."""
+    learner = TransitionLearner(LearnerConfig(max_agents=8), clock=lambda: 0.0)
+    for i in range(8):
+        learner.observe(f"local{i}", session=f"s{i}", parent="", now=0.0)
+    peers = tuple(f"peer{i}" for i in range(4))
+    counts = np.ones((4, 4))
+    assert learner.merge_peer(PeerExport("r2", "e1", 1, peers, counts, np.ones(4), np.zeros(4), np.zeros(4)))
+    assert set(peers) <= set(learner.agents)
+    assert learner.agents[4:] == [f"local{i}" for i in range(4, 8)]  # the least recently seen went
+    assert learner.counts().sum() == pytest.approx(counts.sum())

@@ -1,5 +1,7 @@
 """Property tests: probabilities stay probabilities; next-use values keep the chain order."""
 
+from unittest import mock
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,6 +11,7 @@ from agentkv.graph import (
     ChainModel,
     GraphFacts,
     History,
+    LearnerConfig,
     Predictor,
     ReuseConfig,
     SessionTiming,
@@ -17,6 +20,8 @@ from agentkv.graph import (
     score_reuse,
     top_successors,
 )
+from agentkv.graph import _session_rates as session_rates
+from agentkv.graph._session_rates import _over_steps
 
 agents = st.sampled_from(["a", "b", "c", "d", "e"])
 sessions = st.sampled_from(["s1", "s2", "s3", None])
@@ -95,3 +100,58 @@ def test_learned_model_stays_a_probability_model_and_history_never_outranks_its_
             for score in (table.score, *moved):
                 assert score(History(session, group)) <= table.score(Anchor(group)) + 1e-9
     assert all(0.0 <= table.survival(agent) <= 1.0 for agent in chain.agents)
+
+
+def _over_steps_by_gathering(weights: np.ndarray, table: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The formula ``_over_steps`` replaced (a copy of the table's slice per session): the reference."""
+    n = len(table)
+    split = len(rows) - n if len(rows) >= n and np.array_equal(rows[len(rows) - n:], np.arange(n)) else len(rows)
+    out = np.empty((len(rows), table.shape[2]))
+    np.einsum("sk,skn->sn", weights[:, :split].T, table.take(rows[:split], axis=0), out=out[:split])
+    if split < len(rows):
+        np.einsum("sk,skn->sn", weights[:, split:].T, table, out=out[split:])
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 6), st.lists(st.integers(0, 6), max_size=40), st.booleans(),
+       st.integers(0, 2**32 - 1), st.booleans())
+def test_summing_over_steps_per_chain_row_is_the_gathered_sum(n, steps, drawn, every_agent, seed, grouped):
+    """Grouping sessions by chain row (past ``_GATHER_LIMIT``; here forced) changes no bit, and a
+    session's value does not depend on which sessions are evaluated with it: a partial evaluation
+    (a few sessions, gathered) reproduces a full one exactly."""
+    rng = np.random.default_rng(seed)
+    rows = np.array([row % n for row in drawn] + (list(range(n)) if every_agent else []), dtype=np.intp)
+    table = rng.random((n, steps, n))
+    weights = rng.random((steps, len(rows)))
+    with mock.patch.object(session_rates, "_GATHER_LIMIT", 0 if grouped else session_rates._GATHER_LIMIT):
+        full = _over_steps(weights, table, rows)
+    assert full.shape == (len(rows), n)
+    assert np.array_equal(full, _over_steps_by_gathering(weights, table, rows))
+    for s in range(min(len(rows), 5)):
+        assert np.array_equal(_over_steps(weights[:, s:s + 1], table, rows[s:s + 1])[0], full[s])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), sessions, st.sampled_from([None, "", "a", "b", "e"]),
+                          st.sampled_from([None, 1, 2]), st.booleans()), max_size=60))
+def test_the_sessions_naming_each_agent_slot_are_indexed_exactly(calls):
+    """``_naming[i]``: the live sessions whose agent, or whose taught transition's previous agent, is
+    slot i, so that recycling a slot visits those alone; after any calls, ends, interposed calls and
+    recycled slots (3 agents, 3 sessions), no session names a slot another agent took over."""
+    now = [0.0]
+    learner = TransitionLearner(LearnerConfig(max_agents=3, max_sessions=3, session_ttl=30), clock=lambda: now[0])
+    last: dict[str, str] = {}
+    for agent, session, parent, step, ends in calls:
+        now[0] += 7.0
+        learner.observe(agent, session=session, parent=parent, step=step)
+        if session is not None:
+            last[session] = agent
+        if ends and session is not None:
+            learner.end_session(session)
+        states = learner._sessions
+        assert all(learner.current_agent(s) == last[s] for s in states)
+        for slot, naming in enumerate(learner._naming):
+            assert naming == {s for s, state in states.items() if state.index == slot or (
+                state.learned is not None and state.learned.previous == slot)}
+    assert len(learner._naming) == len(learner.agents)

@@ -1,6 +1,7 @@
 """The next-use model against hand-computed values, and the timing it learns from."""
 
 import math
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ def test_first_passage_steps_stop_once_no_first_visit_is_likely():
 
 @pytest.mark.parametrize("rows", [[2, 0, 2], [1, 0, 1, 2, 3], [0, 1, 2, 3], [3, 3, 0, 1, 2, 3]])
 def test_a_session_reads_the_passage_rows_of_its_agent_weighted_by_step(rows):
-    # the rows of every agent in order (a session per agent) are read in place, the others copied
+    # sessions of one agent share one product over that agent's rows of the table, read in place
     rng = np.random.default_rng(len(rows))
     table = by_origin(first_passage_steps(rng.random((4, 4)) / 4, 5, tolerance=0.0))
     weights = rng.random((5, len(rows)))
@@ -484,3 +485,67 @@ def test_a_session_that_moved_on_since_the_table_scores_as_just_dispatched_not_a
     assert stale(History("new", frozenset("y"))) < score(History("new", frozenset("y")))  # not the floor
     assert score(History("s", frozenset("x"))) <= score(Anchor(frozenset("x")))
     assert table.scorer(current={"s": "x"}.get)(y_history) == stale(y_history)  # it did not move: its row
+
+
+def test_over_steps_copies_no_slice_of_the_table_per_session():
+    """Gathering table[rows] cost S x K x n floats (0.5 GiB at 256 agents and 10k sessions); past
+    ``_GATHER_LIMIT`` entries the products are taken per row instead."""
+    rng = np.random.default_rng(0)
+    n, steps, sessions = 64, 24, 4000
+    table = rng.random((n, steps, n))
+    rows = rng.integers(0, n, sessions).astype(np.intp)
+    weights = rng.random((steps, sessions))
+    tracemalloc.start()
+    try:
+        _over_steps(weights, table, rows)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * sessions * n * 8  # the result, and a little more; a gather is 24 times it
+
+
+def _ending_at_b() -> tuple[TransitionLearner, GraphFacts, SessionTiming]:
+    """a -> b, and every session ends after b (the declared graph agrees: b -> END)."""
+    learner = TransitionLearner()
+    for i in range(50):
+        learner.observe("a", session=f"w{i}", parent="", now=0.0)
+        learner.observe("b", session=f"w{i}", now=0.0)
+        learner.end_session(f"w{i}")
+    facts = GraphFacts()
+    facts.declare_graph(["a", "b"], edges=[("__start__", "a"), ("a", "b"), ("b", "__end__")])
+    return learner, facts, _timing(2.0, "ab")
+
+
+def test_untagged_blocks_score_at_the_floor_when_the_typical_live_session_is_worth_nothing():
+    """Half of a typical live session's next use: a session at an agent that ends it has none,
+    so untagged blocks must not outrank the anchors (they scored 0.0, one reuse per second)."""
+    learner, facts, timing = _ending_at_b()
+    table = score_reuse(Predictor(learner, facts).chain(), timing.table(), [("s", "b", 100.0)], now=100.5,
+                        session_start_rate=0.5, continuation={}, interposed=None,
+                        predictability=learner.predictability(), gap_count=timing.gaps, config=ReuseConfig())
+    assert table.predictable and float(np.median(table.session_rate.max(axis=1))) == 0.0
+    untagged = table.score(UNTAGGED)
+    assert untagged < min(table.score(Anchor(frozenset(agent))) for agent in "ab")
+    assert untagged == table.score(History("unknown", frozenset("a")))  # the floor
+
+
+def test_a_declared_graph_keeps_the_learned_chance_of_ending_after_an_agent():
+    """The declared graph bounds where a session goes next, not whether it stops: b's row keeps
+    its learned ending share (half the sessions end after b), only b -> a is ruled out."""
+    learner = TransitionLearner()
+    for i in range(100):
+        learner.observe("a", session=f"s{i}", parent="", now=0.0)
+        learner.observe("b", session=f"s{i}", now=0.0)
+        if i % 2:
+            learner.observe("c", session=f"s{i}", now=0.0)
+        learner.end_session(f"s{i}")
+    plain = Predictor(learner).chain()
+    facts = GraphFacts()
+    facts.declare_graph(["a", "b", "c"], edges=[("__start__", "a"), ("a", "b"), ("c", "__end__")],
+                        conditional_edges=[("b", "c"), ("b", "__end__")])
+    declared = Predictor(learner, facts).chain()
+    b, c = plain.index["b"], plain.index["c"]
+    assert declared.matrix[b].sum() == pytest.approx(plain.matrix[b].sum())
+    assert declared.matrix[b, c] == pytest.approx(0.5, abs=0.01)
+    assert declared.matrix[b, plain.index["a"]] == 0.0
+    assert declared.entry.sum() == pytest.approx(1.0)  # a new session starts somewhere
