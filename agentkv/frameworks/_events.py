@@ -21,6 +21,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
@@ -29,7 +30,7 @@ import httpx
 from agentkv.client import ERRORS, count
 from agentkv.protocol import EVENTS_PATH, PROTOCOL_VERSION, validate_events
 
-__all__ = ["CLOSE_TIMEOUT", "EventSink", "events_endpoint", "get_sink", "new_event_id", "session_event"]
+__all__ = ["CLOSE_TIMEOUT", "EventSink", "SinkHandle", "events_endpoint", "get_sink", "new_event_id", "session_event"]
 
 _MAX_BATCH: Final = 1000  # the schema's maxItems
 CLOSE_TIMEOUT: Final = 1.0  # seconds EventSink.close() (and interpreter exit) waits for pending deliveries
@@ -125,6 +126,16 @@ class EventSink:
                     reason = "queue full, events dropped"
         self._drop(deliveries)
         ERRORS.record("events queue", message=reason)
+
+    def discard(self, events: Iterable[Mapping[str, Any]], reason: str) -> None:
+        """Count ``events`` as dropped without queueing them (their poster is closed)."""
+        try:
+            n = len(list(events))
+        except Exception:
+            n = 1  # an unreadable post counts as one event
+        if n:
+            self._drop(n * len(self.urls))
+            ERRORS.record("events queue", message=reason)
 
     def flush(self, timeout: float | None = 5.0) -> bool:
         """Wait until every queued delivery was counted; False on timeout."""
@@ -239,18 +250,74 @@ def _endpoints(url: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(events_endpoint(u) for u in urls))  # de-duplicated, in order
 
 
-_SINKS: dict[tuple[str, ...], EventSink] = {}
+@dataclass(slots=True)
+class _Shared:
+    """The sink shared by every app posting to one set of endpoints, and how many still use it."""
+
+    sink: EventSink
+    users: int = 0
+
+
+_SINKS: dict[tuple[str, ...], _Shared] = {}
 _SINKS_LOCK = threading.Lock()
 
 
-def get_sink(url: str | Sequence[str]) -> EventSink:
-    """One shared sink (and thread) per set of events endpoints."""
+class SinkHandle:
+    """One app's use of the :class:`EventSink` shared by every app with the same endpoints.
+
+    It posts, flushes and counts as the shared sink (``sent``, ``dropped``, ``urls``, ... are the
+    shared sink's). ``close`` detaches this app only: its later posts are dropped and counted, the
+    other apps' go on, and the shared sink itself closes when the last app detaches.
+    """
+
+    def __init__(self, shared: _Shared) -> None:
+        self._shared = shared
+        self._detached = False
+
+    @property
+    def sink(self) -> EventSink:
+        return self._shared.sink
+
+    def post(self, events: Iterable[Mapping[str, Any]]) -> None:
+        if self._detached:
+            self.sink.discard(events, "sink closed, events dropped")
+        else:
+            self.sink.post(events)
+
+    def flush(self, timeout: float | None = 5.0) -> bool:
+        return self.sink.flush(timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Detach this app (once): the last one closes the shared sink, the others wait up to
+        ``timeout`` seconds for what is pending, as ``EventSink.close`` would."""
+        with _SINKS_LOCK:
+            if self._detached:
+                return
+            self._detached = True
+            self._shared.users -= 1
+            last = self._shared.users == 0
+            if last and _SINKS.get(self.sink.urls) is self._shared:
+                del _SINKS[self.sink.urls]
+        if last:
+            self.sink.close(timeout)
+        else:
+            self.sink.flush(max(0.0, timeout))
+
+    def __getattr__(self, name: str) -> Any:  # the counters and settings are the shared sink's
+        if name in ("_shared", "_detached"):
+            raise AttributeError(name)
+        return getattr(self._shared.sink, name)
+
+
+def get_sink(url: str | Sequence[str]) -> SinkHandle:
+    """A handle on the one sink (and thread) shared per set of events endpoints."""
     endpoints = _endpoints(url)
     with _SINKS_LOCK:
-        sink = _SINKS.get(endpoints)
-        if sink is None or sink._closed:
-            sink = _SINKS[endpoints] = EventSink(endpoints)
-        return sink
+        shared = _SINKS.get(endpoints)
+        if shared is None or shared.sink._closed:
+            shared = _SINKS[endpoints] = _Shared(EventSink(endpoints))
+        shared.users += 1
+        return SinkHandle(shared)
 
 
 @atexit.register

@@ -18,7 +18,17 @@ from langchain_core.callbacks import BaseCallbackHandler
 from langgraph.types import Command, Send
 
 from agentkv._bounded import BoundedDict
-from agentkv.client import ERRORS, Dispatch, count, dispatch_ended, install, sanitize_id, set_tag, tracker
+from agentkv.client import (
+    ERRORS,
+    Dispatch,
+    count,
+    current_tag,
+    dispatch_ended,
+    install,
+    sanitize_id,
+    set_tag,
+    tracker,
+)
 from agentkv.protocol import AgentTag
 
 from ._langgraph_facts import EXPLICIT_KEY, Naming, Topology
@@ -48,12 +58,19 @@ class _Record:
 
 @dataclass(slots=True)
 class _Episode:
-    """The dispatches of one root run (one invoke/stream) of the graph."""
+    """The dispatches of one root run (one invoke/stream) of the graph.
+
+    A *nested* root run (this app as a subgraph of another graph's run) is part of that run's
+    session, not an episode of its own: it neither starts nor ends the session. A *transparent* one
+    (nested under an agentkv tag) records no dispatch and sets no tag: its calls carry that tag.
+    """
 
     session: str
     base_depth: int
     initial_parent: str
     persistent: bool = False  # a checkpointed thread: the session outlives this run
+    nested: bool = False
+    transparent: bool = False
     records: list[_Record] = field(default_factory=list)
     by_ns: dict[str, _Record] = field(default_factory=dict)
     seq: int = 0
@@ -146,12 +163,15 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
                 if chain:
                     self._start_root(run_id, metadata, segments, inputs)
                 elif llm:  # a model run with our callbacks outside any graph run we know
-                    session = self._session_for(metadata, run_id)
+                    session, _ = self._session_for(metadata, run_id)
                     tag = self._metadata_tag(metadata, session, None)
                     self._runs[run_id] = _Run(_Episode(session, 0, ""), 0, None, set_tag(tag), True)
                 return
             episode = parent.episode
             depth = len(segments) - episode.base_depth
+            if episode.transparent:  # known, so that its own runs are too, but no dispatch and no tag
+                self._runs[run_id] = _Run(episode, depth, None, None, False)
+                return
             record: _Record | None = None
             created = False
             if depth >= 1:
@@ -176,6 +196,9 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
     def _start_root(self, run_id: Any, metadata: Mapping[str, Any], segments: list[str], inputs: Any) -> None:
         install()  # an SDK the app imported since it was instrumented (e.g. anthropic) is tagged too
         session, persistent = self._session_for(metadata, run_id)
+        if segments:  # a checkpoint namespace already: the run of a node of another graph
+            self._start_nested(run_id, session, len(segments))
+            return
         resume = isinstance(inputs, Command) or inputs is None
         initial = tracker().parent_for(session) if resume else ""
         tracker().start_session(session, keep_lineage=resume)
@@ -184,6 +207,19 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
         count("langgraph_runs")
         if self._on_episode_start is not None:
             self._on_episode_start(session)
+
+    def _start_nested(self, run_id: Any, session: str, base_depth: int) -> None:
+        """This app runs as a subgraph inside another graph's run, which owns the session.
+
+        So the lineage goes on (no ``start_session``) and no episode starts or ends. Under an
+        agentkv tag (an instrumented parent's dispatch, an ``agentkv.agent`` scope) the run is
+        transparent, as a plain subgraph is to an instrumented parent: its calls carry that tag.
+        """
+        transparent = current_tag() is not None
+        initial = "" if transparent else tracker().parent_for(session) or ""
+        episode = _Episode(session, base_depth, initial, nested=True, transparent=transparent)
+        self._runs[run_id] = _Run(episode, 0, None, None, False, is_root=True)
+        count("langgraph_nested_runs")
 
     def _metadata_agent(self, metadata: Mapping[str, Any]) -> str:
         segments = _ns_segments(metadata)
@@ -274,7 +310,7 @@ class AgentKVCallbackHandler(BaseCallbackHandler):
 
     def _end_root(self, run: _Run, error: BaseException | None) -> None:
         interrupted = error is not None
-        if self._on_episode_end is not None:
+        if self._on_episode_end is not None and not run.episode.nested:
             self._on_episode_end(run.episode.session, interrupted, run.episode.persistent)
 
     # -- callback API ------------------------------------------------------------------

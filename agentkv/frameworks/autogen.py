@@ -19,6 +19,7 @@ import hashlib
 import json
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -37,11 +38,12 @@ from agentkv.client import (
 )
 from agentkv.protocol import AgentTag
 
-from ._events import EventSink, get_sink, session_event
+from ._events import EventSink, SinkHandle, get_sink, session_event
 
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
 
 _STATE_ATTR: Final = "_agentkv_instrumentation"
+_TEAMS_ATTR: Final = "_agentkv_teams"  # on a participant: the instrumentations of the teams it is in
 
 
 class TaggedModelClient(ChatCompletionClient):
@@ -196,7 +198,7 @@ class TeamInstrumentation:
         *,
         session: str | Callable[[], str] | None,
         selector_name: str,
-        sink: EventSink | None,
+        sink: EventSink | SinkHandle | None,
     ) -> None:
         self.team_name = str(getattr(team, "name", type(team).__name__))
         self.facts = team_facts(team)
@@ -220,10 +222,16 @@ class TeamInstrumentation:
             return sanitize_id(spec)
         return uuid.uuid4().hex
 
-    def begin_run(self) -> str:
+    def begin_run(self) -> str | None:
         """A run starts: the team's conversation goes on (its session, its lineage) unless it was
-        reset, which starts a new session."""
+        reset, which starts a new session.
+
+        None, changing nothing, while another run is in progress: AutoGen refuses that run, and
+        the running one keeps its session, tags and lineage.
+        """
         with self._lock:
+            if self.session is not None:
+                return None
             going_on = self.conversation is not None
             session = self.conversation if going_on else self._new_session()
             self.session = self.conversation = session
@@ -294,16 +302,50 @@ def instrumentation(team: Any) -> TeamInstrumentation | None:
     return getattr(team, _STATE_ATTR, None)
 
 
-def _wrap_turns(agent: Any, state: TeamInstrumentation) -> None:
+def _join(participant: Any, state: TeamInstrumentation) -> None:
+    """``participant`` takes turns in the team of ``state``.
+
+    An agent may be in several teams (e.g. a team built per request from the same agents): its
+    client and turns are wrapped once, and each call is tagged for whichever of its teams is running.
+    The teams are held weakly: a team dropped by the app is forgotten.
+    """
+    teams = getattr(participant, _TEAMS_ATTR, None)
+    if teams is None:
+        teams = weakref.WeakSet()
+        setattr(participant, _TEAMS_ATTR, teams)
+        name = str(getattr(participant, "name", ""))
+        client = getattr(participant, "_model_client", None)
+        if isinstance(client, ChatCompletionClient):
+            participant._model_client = TaggedModelClient(_unwrap(client), lambda: _agent_tag(participant, name))
+        if hasattr(participant, "on_messages_stream") and name:
+            _wrap_turns(participant, name)
+    teams.add(state)
+
+
+def _running_team(participant: Any) -> TeamInstrumentation | None:
+    """The team of ``participant`` whose run is in progress (AutoGen runs an agent in one team at a time)."""
+    return next((t for t in list(getattr(participant, _TEAMS_ATTR, ())) if t.session is not None), None)
+
+
+def _agent_tag(participant: Any, name: str) -> AgentTag:
+    team = _running_team(participant)
+    return AgentTag(sanitize_id(name)) if team is None else team.agent_tag(name)
+
+
+def _begin_turn(participant: Any, name: str) -> tuple[AgentTag, Dispatch | None]:
+    team = _running_team(participant)
+    return (AgentTag(sanitize_id(name)), None) if team is None else team.begin_turn(name)
+
+
+def _wrap_turns(agent: Any, name: str) -> None:
     original = agent.on_messages_stream  # bound method of the agent's class
-    name = str(agent.name)
 
     def on_messages_stream(messages: Any, cancellation_token: Any) -> AsyncIterator[Any]:
         tag: AgentTag | None = None
         dispatch: Dispatch | None = None
         try:
             install()  # an SDK imported since the team was wrapped (e.g. anthropic) is tagged too
-            tag, dispatch = state.begin_turn(name)
+            tag, dispatch = _begin_turn(agent, name)
         except Exception as exc:
             ERRORS.record("autogen turn", exc)
         return _run_under(original(messages, cancellation_token), tag, dispatch)
@@ -325,12 +367,17 @@ async def _run_under(stream: Any, tag: AgentTag | None, dispatch: Dispatch | Non
             yield item
     finally:
         try:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await _aclose(stream)
         finally:
             if dispatch is not None:
                 dispatch_ended(dispatch)
+
+
+async def _aclose(stream: Any) -> None:
+    """Close an async iterator now (its ``finally`` runs here), not when it is garbage collected."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
@@ -359,20 +406,30 @@ def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
 async def _session_stream(
     state: TeamInstrumentation, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> AsyncGenerator[Any, None]:
+    """Run ``original`` (the team's ``run_stream``) as one run of the team's session.
+
+    Closing this stream closes AutoGen's at once (a run left open keeps the team "already
+    running"); a run that did not begin one (refused while another runs) does not end it.
+    """
     session: str | None = None
     try:
         session = state.begin_run()
     except Exception as exc:
         ERRORS.record("autogen session start", exc)
+    inner: Any = None
     try:
-        async for item in original(*args, **kwargs):
+        inner = original(*args, **kwargs)
+        async for item in inner:
             yield item
     finally:
-        if session is not None:
-            try:
-                state.end_run(session)
-            except Exception as exc:
-                ERRORS.record("autogen run end", exc)
+        try:
+            await _aclose(inner)
+        finally:
+            if session is not None:
+                try:
+                    state.end_run(session)
+                except Exception as exc:
+                    ERRORS.record("autogen run end", exc)
 
 
 def instrument(
@@ -390,7 +447,8 @@ def instrument(
     conversation; default a new id per conversation. ``events_url``: the vLLM server (base URL or
     full events URL), or a list of them (every replica behind a router), for graph facts and
     ``session_start``/``session_end`` events. Returns the same team, instrumented;
-    calling it twice is a no-op. Participants that are teams themselves are not descended into.
+    calling it twice is a no-op. Participants that are teams themselves are not descended into;
+    agents in several instrumented teams are tagged for whichever of their teams is running.
     """
     install()
     existing = instrumentation(team)
@@ -401,12 +459,7 @@ def instrument(
     sink = get_sink(events_url) if events_url else None
     state = TeamInstrumentation(team, session=session, selector_name=selector_name, sink=sink)
     for participant in getattr(team, "_participants", []):
-        name = str(getattr(participant, "name", ""))
-        client = getattr(participant, "_model_client", None)
-        if isinstance(client, ChatCompletionClient):
-            participant._model_client = TaggedModelClient(_unwrap(client), lambda n=name: state.agent_tag(n))
-        if hasattr(participant, "on_messages_stream") and name:
-            _wrap_turns(participant, state)
+        _join(participant, state)
     selector_client = getattr(team, "_model_client", None)
     if isinstance(selector_client, ChatCompletionClient):
         team._model_client = TaggedModelClient(_unwrap(selector_client), state.selector_tag)

@@ -11,16 +11,26 @@ ContextVar writes reach the node's HTTP calls. See docs/frameworks.md ("LangGrap
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from langchain_core.runnables.config import merge_configs
 from langgraph.graph.state import CompiledStateGraph
 
-from agentkv.client import ERRORS, count, install, learner_listener, on_dispatch, sanitize_id, tracker
+from agentkv.client import (
+    ERRORS,
+    count,
+    current_tag,
+    install,
+    learner_listener,
+    on_dispatch,
+    sanitize_id,
+    set_tag,
+    tracker,
+)
 
-from ._events import EventSink, get_sink, session_event
+from ._events import EventSink, SinkHandle, get_sink, session_event
 from ._langgraph_facts import AgentNames, Naming, facts_event, graph_facts, topology_of
 from ._langgraph_handler import AgentKVCallbackHandler
 
@@ -34,7 +44,7 @@ class _Instrumentation:
     original: Any
     facts: dict[str, Any]
     handler: AgentKVCallbackHandler
-    sink: EventSink | None
+    sink: EventSink | SinkHandle | None
     learner_facts: Any
     learner_model: Any
     unsubscribe: Callable[[], None] | None = None
@@ -59,6 +69,8 @@ class InstrumentedGraph(CompiledStateGraph):  # type: ignore[misc]
     ...), whichever method started it, and end with it, unless the graph keeps the thread's state
     (a checkpointer and a ``thread_id``): then the thread's next message continues the session,
     which ends with ``end_session`` (or when the server finds it idle beyond its learned gaps).
+    Run as a subgraph of another graph, it belongs to that graph's run and session: it neither
+    starts nor ends a session, and under an instrumented parent's dispatch its calls carry that tag.
     """
 
     _agentkv: _Instrumentation
@@ -115,6 +127,31 @@ class InstrumentedGraph(CompiledStateGraph):  # type: ignore[misc]
         clone._agentkv = self._agentkv
         return clone
 
+    async def astream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """``Pregel.astream`` (behind ``ainvoke`` and ``astream_events``) that leaves the caller's tag as it found it.
+
+        In async runs LangGraph calls a node's start callback (which sets the node's tag) in the
+        caller's task but its end callback (which restores the tag) in a child task, whose context
+        is a copy: so the caller's tag is put back after every step and when the stream ends,
+        finished, failed or closed early.
+        """
+        outer = current_tag()
+        inner = super().astream(*args, **kwargs)
+        try:
+            while True:
+                try:
+                    item = await inner.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    set_tag(outer)
+                yield item
+        finally:
+            try:
+                await inner.aclose()  # end the run now (its callbacks, its session), not at garbage collection
+            finally:
+                set_tag(outer)
+
     # -- the instrumentation -----------------------------------------------------------
 
     @property
@@ -132,7 +169,7 @@ class InstrumentedGraph(CompiledStateGraph):  # type: ignore[misc]
         return self._agentkv.handler
 
     @property
-    def sink(self) -> EventSink | None:
+    def sink(self) -> EventSink | SinkHandle | None:
         return self._agentkv.sink
 
     def _episode_started(self, session: str) -> None:
@@ -226,5 +263,10 @@ def instrument(
     (base URL or full events URL), or a list of them (every replica behind a router); graph facts
     and ``session_start``/``session_end``/``cancel`` are POSTed there in the background (no end
     for a run on a checkpointed thread: see ``InstrumentedGraph.end_session``).
+
+    An app that is already an ``InstrumentedGraph`` is returned unchanged (the other arguments are
+    ignored): a second handler would record every dispatch, and end every session, twice.
     """
+    if isinstance(graph, InstrumentedGraph):
+        return graph
     return InstrumentedGraph(graph, session=session, agent_names=agent_names, learner=learner, events_url=events_url)

@@ -281,3 +281,72 @@ def test_events_and_a_down_server(server):
     assert server.tags() == [("selector", "ev-2", "", 0), ("critic", "ev-2", "", 1)]
     assert instrumentation(down).sink.flush(5)
     assert instrumentation(down).sink.failed > 0
+
+
+def test_closing_run_stream_early_lets_the_team_run_again(server):
+    """Stopping a run by closing its stream (e.g. the user cancels) must stop AutoGen's run too:
+    a run left open keeps the team "already running" and refuses the next one."""
+    server.script("selector", "planner", "coder", "critic")
+    team = instrument(make_team(server, messages=6), session="closed-early")
+
+    async def stop_then_run_again() -> TaskResult:
+        stream = team.run_stream(task="go")
+        async for message in stream:
+            if getattr(message, "source", "user") != "user":
+                break  # the first speaker answered: enough
+        await stream.aclose()
+        return await team.run(task="go on")
+
+    result = asyncio.run(stop_then_run_again())
+    assert isinstance(result, TaskResult)
+    assert {t[1] for t in server.tags()} == {"closed-early"}
+    assert instrumentation(team).session is None  # both runs ended
+
+
+def test_a_run_refused_while_the_team_runs_leaves_the_running_one_its_session(server):
+    """AutoGen refuses a second run while one is in progress; the refused run must change nothing
+    (neither the running run's session nor its lineage)."""
+    server.script("selector", "planner", "coder", "critic")
+    team = instrument(make_team(server, messages=4), session="busy")
+
+    async def run_with_an_interloper() -> str:
+        refused = ""
+        async for message in team.run_stream(task="go"):
+            if getattr(message, "source", "") == "planner" and not refused:
+                try:
+                    await team.run(task="me too")
+                except ValueError as exc:
+                    refused = str(exc)
+        return refused
+
+    assert "already running" in asyncio.run(run_with_an_interloper())
+    assert server.tags() == [
+        ("selector", "busy", "", 0),
+        ("planner", "busy", "", 1),
+        ("selector", "busy", "planner", 1),
+        ("coder", "busy", "planner", 2),
+        ("selector", "busy", "coder", 2),
+        ("critic", "busy", "coder", 3),
+    ]
+
+
+def test_agents_shared_by_several_teams_are_tagged_for_the_team_running(server):
+    """A team built per request from the same agents: each agent is wrapped once, and its calls
+    carry the session of whichever of its teams is running."""
+    shared = client(server)
+    agents = [AssistantAgent(name, model_client=shared) for name in ("x", "y")]
+    teams = [
+        instrument(RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(3)), session=f"req-{i}")
+        for i in range(3)
+    ]
+    assert not hasattr(agents[0].on_messages_stream.__agentkv_original__, "__agentkv_original__")
+    assert not isinstance(agents[0]._model_client.inner, TaggedModelClient)
+
+    async def run(team: Any) -> None:
+        await team.run(task="go")
+        await team.reset()
+
+    for team, session in ((teams[2], "req-2"), (teams[0], "req-0")):
+        server.requests.clear()
+        asyncio.run(run(team))
+        assert [t[:2] for t in server.tags()] == [("x", session), ("y", session)]

@@ -282,3 +282,24 @@ def test_events_still_pending_at_interpreter_exit_are_counted_and_exit_is_bounde
     waited = float(done.stdout.split("exit wait ")[1])
     assert waited <= CLOSE_TIMEOUT + 0.5
     assert "sent 0, failed 0, dropped 2" in done.stderr
+
+
+def test_closing_one_apps_sink_leaves_the_other_apps_with_the_same_url_posting():
+    """Apps with the same events URL share one sink (one thread); closing one app's detaches that
+    app only, and the shared sink closes with the last app."""
+    server = FakeOpenAI()
+    thread = thread_id()
+    with EventsServer() as events:
+        chat = instrument(fan_out_app(server), events_url=events.url)
+        summarizer = instrument(fan_out_app(server), events_url=events.url)
+        summarizer.sink.close()
+        dropped = chat.sink.dropped
+        chat.invoke({"notes": []}, cfg(thread))
+        assert chat.sink.flush(5) and chat.sink.dropped == dropped
+        assert ("session_start", thread) in [(e["type"], e.get("session")) for e in events.events()]
+        summarizer.sink.post([session_event("session_end", thread)])  # after its close: dropped, counted
+        assert chat.sink.dropped == dropped + 1
+        summarizer.sink.close()  # once only: the chat app still holds the sink
+        assert not chat.sink.sink._closed and chat.sink.sink is summarizer.sink.sink  # shared
+        chat.sink.close()
+        assert chat.sink.sink._closed

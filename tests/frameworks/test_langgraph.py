@@ -542,3 +542,50 @@ def test_a_new_invoke_on_the_same_thread_starts_a_new_lineage(server, thread):
     assert first[:3] == ("Planner", thread, "")  # an entry dispatch again
     assert first[3] > 4  # LangGraph's step continues along the thread's checkpoints
     assert server.tags_by_text()["join"][2] == "worker"
+
+
+def test_an_async_run_leaves_the_callers_tag_as_it_found_it(server, thread):
+    """LangGraph calls an async node's start callback in the caller's task but its end callback in a
+    child task: after ainvoke or an astream (finished or closed early) the caller's requests must
+    not carry the last node's tag, and an enclosing scope's tag must be current again."""
+    app = instrument(fan_out_app(server, use_async=True))
+    plain = server.async_openai()
+
+    async def runs() -> list[Any]:
+        seen = []
+        await app.ainvoke({"notes": []}, cfg(thread))
+        seen.append(current_tag())
+        async for _ in app.astream({"notes": []}, cfg(thread + "-all")):
+            pass
+        seen.append(current_tag())
+        stream = app.astream({"notes": []}, cfg(thread + "-one"))
+        await anext(stream)
+        await stream.aclose()
+        seen.append(current_tag())
+        await plain.chat.completions.create(model="m", messages=[{"role": "user", "content": "after"}])
+        async with agentkv.agent("outer", session=thread + "-outer") as outer:
+            await app.ainvoke({"notes": []}, cfg(thread + "-in"))
+            seen.append(current_tag() == outer)
+        return seen
+
+    assert asyncio.run(runs()) == [None, None, None, True]
+    assert server.tags_by_text()["after"] == (None, None, None, None)
+
+
+def test_instrumenting_an_instrumented_app_returns_it(server, thread, dispatches):
+    app = instrument(fan_out_app(server))
+    assert instrument(app) is app and agentkv.instrument(app, learner=TransitionLearner()) is app
+    assert app.config["callbacks"] == [app.handler]
+    app.invoke({"notes": []}, cfg(thread))
+    assert len([d for d in dispatches if d.session == thread]) == 6  # each once
+
+
+def test_a_model_run_outside_any_graph_run_is_tagged_with_the_apps_session(server):
+    """A chat model given the app's callbacks but run outside the graph (no graph run known)."""
+    app = instrument(fan_out_app(server), session="fixed")
+    kind = "langgraph chat model start"
+    errors_before = stats()["errors"].get(kind, 0)
+    server.chat_openai().invoke("hi", config={"callbacks": [app.handler], "metadata": {"langgraph_node": "plan"}})
+    assert server.tags() == [("plan", "fixed", "", None)]
+    assert stats()["errors"].get(kind, 0) == errors_before
+    assert current_tag() is None
