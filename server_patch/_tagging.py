@@ -55,12 +55,15 @@ class RequestTagging:
         self._tags[request_id] = tag
         if len(self._tags) > _MAX_CACHED_TAGS:
             self._tags.popitem(last=False)
-        if recognized and tag is not None and tag.session is not None:
-            # its session recognized: the middleware can name only the response, by which this request is found
+        # a session agentkv's metadata did not name (recognized, or vLLM's session_id beside a tag
+        # naming the agent alone): the middleware can name only the response, by which it is found
+        named_by_vllm = result.tag is not None and result.tag.session is None and bool(session_id)
+        if (recognized or named_by_vllm) and tag is not None and tag.session is not None:
             for key in answer_keys(request_id):
                 self._answer_sessions[key] = tag.session
             while len(self._answer_sessions) > _MAX_ANSWER_KEYS:
                 self._answer_sessions.popitem(last=False)
+        if recognized and tag is not None and tag.session is not None:
             self._quoting[request_id] = tag.session  # its answer is read when it is freed
             while len(self._quoting) > _MAX_ANSWER_KEYS:
                 self._quoting.popitem(last=False)

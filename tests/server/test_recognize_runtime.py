@@ -235,3 +235,18 @@ def test_a_request_handed_an_answer_joins_the_answers_session():
     assert given.session == handed.session and given.parent == handed.agent != given.agent
     assert other.session not in (handed.session, None) and other.parent == ""
     assert runtime.stats()["recognition"]["quoting_requests"] == 1
+
+
+def test_an_answer_to_a_request_naming_its_agent_alone_and_vllms_session_id_is_told_by_its_response_id():
+    """The agent in ``vllm_xargs``, the session in vLLM's own ``session_id`` (X-Session-ID): the
+    middleware sees no session in agentkv's metadata and tells the answer by response id, which the
+    engine did not record (it did so only for recognized sessions): the answer was lost."""
+    runtime, kv = AgentKVRuntime(), manager(400)
+    runtime.install(kv)
+    params = SamplingParams(max_tokens=1, extra_args=AgentTag("coder").to_xargs())
+    req = Request("chatcmpl-7-abcdefgh", ANCHORS["coder"] + tokens("task-v", 50), params, None,
+                  block_hasher=HASHER, session_id="chat-9")
+    run(kv, runtime, req)
+    assert runtime.tag_of(req) == AgentTag("coder", "chat-9")
+    assert runtime.handle({"op": "answered", "request": "chatcmpl-7", "tool_call": True}) == {"answered": True}
+    assert runtime.timing.told("chat-9") is True
