@@ -7,12 +7,14 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import Protocol
 
-from agentkv.graph import UNTAGGED, Anchor, Group, History
+from agentkv.graph import UNTAGGED, Anchor, Group, History, LearnerConfig
 from agentkv.protocol import AgentTag
 
 __all__ = ["NO_SESSION", "AnchorLengths", "BlockTracker", "merge_group"]
 
-_MAX_AGENTS_PER_BLOCK = 16
+# every agent the model can know: a block shared by more agents than its group names could score
+# below a child of an agent left out, and lose a chain its parent before its children
+_MAX_AGENTS_PER_BLOCK = LearnerConfig().max_agents
 _MAX_INTERNED = 100_000
 # The session of what a request outside any session caches beyond its agent's anchor: no session
 # id is empty, so none is ever live under it and the model scores it at the floor.
@@ -42,7 +44,8 @@ def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) 
     of the same prompt would reuse it (a warm-up holds nothing but an anchor; without
     recognition the tracker leaves it untagged instead, ``BlockTracker.untag_sessionless``). Blocks in one
     group share a survival probability; a block shared by several agents keeps them all (up
-    to a bound) and survives as well as the best of them.
+    to every agent the model can know) and is scored by them all (an anchor by the first use of
+    any, a history by its best).
     """
     if group is None:
         agents = frozenset((tag.agent,))

@@ -549,3 +549,39 @@ def test_pops_follow_the_eviction_key_exactly(ops: list[tuple[object, ...]]) -> 
             in_use.extend(expected)
         assert queue.num_free_blocks == len(front) + len(tail)
         check_segments(queue)
+
+
+def test_a_prefix_shared_by_many_agents_outlives_the_child_of_any_of_them():
+    """A block shared by 24 agents (a common preamble) names them all: with 16 at most, a 17th,
+    busy agent's own next block (its child) scored above it and the parent was evicted first,
+    leaving the child unreachable ("a chain loses children before parents")."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from agentkv.graph import Predictor, ReuseConfig, SessionTiming, TransitionLearner, score_reuse
+    from agentkv.protocol import AgentTag
+    from server_patch._tracker import BlockTracker
+
+    agents = [f"w{i}" for i in range(23)] + ["hot"]
+    parent, child = KVCacheBlock(1), KVCacheBlock(2)
+    parent._block_hash, child._block_hash = b"p", b"q"
+    tracker = BlockTracker()
+    tracker.cached([parent], 0, 1, AgentTag("w0", "s-w0"), anchor_blocks=2)
+    for agent in agents[1:]:  # each other agent's first call hits the shared block
+        tracker.hit([parent], AgentTag(agent, f"s-{agent}"), anchor_blocks=2)
+    tracker.cached([parent, child], 1, 2, AgentTag("hot", "s-hot"), anchor_blocks=2)
+    assert tracker.group_of(parent).agents == frozenset(agents)
+    learner, timing = TransitionLearner(), SessionTiming()
+    for i in range(40):  # "hot" loops on itself; the others start a session now and then
+        for step in range(6):
+            learner.observe("hot", session=f"h{i}", parent="" if step == 0 else None, now=0.0)
+    for agent in agents[:-1]:
+        learner.observe(agent, session=f"r-{agent}", parent="", now=0.0)
+    for n in range(200):
+        timing.observe("warm", "hot", n * 1.0)
+    table = score_reuse(Predictor(learner).chain(), timing.table(), [("s-hot", "hot", 100.0)], now=100.2,
+                        session_start_rate=0.01, continuation={}, interposed=None,
+                        predictability=learner.predictability(), gap_count=timing.gaps, config=ReuseConfig())
+    queue = ScoredFreeBlockQueue([], tracker.group_of, clock=lambda: 0.0)
+    queue.set_group_scores(table.scorer())
+    queue.append_n([child, parent])  # vLLM frees a chain's child first, in one batch
+    assert queue.popleft_n(1) == [child]
