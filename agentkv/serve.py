@@ -61,7 +61,7 @@ def take_agentkv_flags(args: list[str], env: dict[str, str] | os._Environ[str]) 
     rest = iter(args)
     for arg in rest:
         name, eq, value = arg.partition("=")
-        setting = _BY_FLAG.get(name)
+        setting = _BY_FLAG.get(name.replace("_", "-"))  # vLLM takes --max_model_len for --max-model-len too
         if setting is None:
             out.append(arg)
             continue

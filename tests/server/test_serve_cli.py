@@ -68,6 +68,13 @@ def test_flags_become_the_servers_environment_and_the_rest_goes_to_vllm():
                    "AGENTKV_PEERS": "http://127.0.0.1:8001,http://127.0.0.1:8002"}
 
 
+def test_a_setting_spelled_with_underscores_is_agentkvs_as_vllm_reads_its_own():
+    env: dict[str, str] = {}
+    assert take_agentkv_flags(["M", "--agentkv_horizon", "3", "--agentkv_r_min=0.2", "--max_model_len", "64"],
+                              env) == ["M", "--max_model_len", "64"]
+    assert env == {"AGENTKV_HORIZON": "3", "AGENTKV_R_MIN": "0.2"}
+
+
 @pytest.mark.parametrize("peers", ["http://h:8000/v1/", "http://h:8000/v1", "http://h:8000/"])
 def test_a_peer_is_read_from_its_root(peers):
     """A peer's routes (``/agentkv/v1/state``) hang off its root: a base URL ending in /v1 names it too."""
