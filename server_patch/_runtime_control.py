@@ -15,6 +15,7 @@ from agentkv.graph import (
     FactsFull,
     GraphFacts,
     PeerExport,
+    Prediction,
     Predictor,
     ReuseTable,
     SessionTiming,
@@ -131,7 +132,7 @@ class RuntimeControl:
         decision needs, so it never asks for stats."""
         waiting, running = self.queue_lengths() if self.queue_lengths is not None else (None, None)
         recent = self.anchors.recent(_MAX_VIEW_AGENTS)
-        successors = top_successors(self.predictor.chain(), recent)
+        successors = self._observed(top_successors(self.predictor.chain(), recent))
         return {
             "waiting": waiting,
             "running": running,
@@ -142,6 +143,15 @@ class RuntimeControl:
             "next": {agent: [p.agent, round(p.probability, 4)] for agent, p in successors.items()},
             "warmups": list(self.warmups.outcomes()),
         }
+
+    def _observed(self, successors: dict[str, Prediction]) -> dict[str, Prediction]:
+        """The successors whose transition was seen: a declared graph's only successor, never
+        followed yet, is no prediction (the gate of the replay and of a client-side learner)."""
+        index = {agent: i for i, agent in enumerate(self.learner.agents)}
+        counts = self.learner.counts() if successors else None
+        return {agent: p for agent, p in successors.items()
+                if counts is not None and (a := index.get(agent)) is not None
+                and (b := index.get(p.agent)) is not None and counts[a, b] > 0}
 
     def answered_request(self, key: object, tool_call: object) -> dict[str, Any]:
         """An untagged request finished, named by its response id (``_answers.answer_keys``); told

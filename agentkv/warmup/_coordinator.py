@@ -321,8 +321,9 @@ class WarmupCoordinator:
         if not decision.warm:
             self._skip(decision.reason)
             return
-        with self._lock:  # the pause may have ended while we were deciding
-            late = job.session is not None and (job.session in self._ended or self._seq.get(job.session, 0) != job.seq)
+        with self._lock:  # the pause may have ended (or the coordinator closed) while we were deciding
+            late = self._closed or (job.session is not None and (
+                job.session in self._ended or self._seq.get(job.session, 0) != job.seq))
         if late:
             self._skip("late")
             return

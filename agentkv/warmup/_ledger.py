@@ -37,6 +37,7 @@ class WarmupLedger:
         self.recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
 
     def sent(self, agent: str, length: int, at: float, record: dict[str, Any]) -> None:
+        self.expire()  # bounded without a stats() reader: pending holds warm-ups of the last window only
         if length:
             self.pending[agent] = _Pending(length, at)
         self.recent.append(record)

@@ -11,9 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["CACHE_KEYS", "Snapshot", "Structure", "dumps", "dumps_sorted", "snapshot", "tool_name"]
+__all__ = ["CACHE_KEYS", "Snapshot", "Structure", "dumps", "dumps_sorted", "snapshot", "template_kwargs", "tool_name"]
 
-# Request fields that change how a chat request is rendered into tokens (vLLM chat + tokenize APIs).
 # Request fields that change how a chat request is rendered into tokens (vLLM chat + tokenize APIs).
 CHAT_RENDER_KEYS: Final = (
     "chat_template",
@@ -22,8 +21,12 @@ CHAT_RENDER_KEYS: Final = (
     "continue_final_message",
     "add_special_tokens",
     "documents",
+    "reasoning_effort",
     "mm_processor_kwargs",
 )
+# Chat fields vLLM's chat endpoint passes to the template as kwargs (/tokenize has no such field)
+_TEMPLATE_FIELDS: Final = ("documents", "reasoning_effort")
+_UNSET: Final = (None, "auto")  # vLLM's merge_kwargs leaves these out
 TOKENIZE_CHAT_KEYS: Final = frozenset(
     {"messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
      "continue_final_message", "add_special_tokens", "mm_processor_kwargs"}
@@ -88,6 +91,9 @@ class Snapshot:
             for key in CHAT_RENDER_KEYS:
                 if body.get(key) is not None and key in TOKENIZE_CHAT_KEYS:
                     payload[key] = body[key]
+            kwargs = template_kwargs(body)
+            if kwargs:
+                payload["chat_template_kwargs"] = kwargs
             return dumps(payload)
         if isinstance(body.get("prompt"), str):
             payload = {"prompt": body["prompt"]}
@@ -104,6 +110,19 @@ class Snapshot:
         if not all(_is_int(t) for t in prompt):
             raise ValueError("a token-id prompt must hold integers only")
         return tuple(prompt)
+
+
+def template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The template kwargs vLLM's chat endpoint renders ``body`` with: its ``chat_template_kwargs``
+    with ``documents`` and ``reasoning_effort`` (and ``enable_thinking`` unless given) merged over
+    them, as ``ChatCompletionRequest.build_chat_params`` does (vLLM 0.32, 0.33)."""
+    given = body.get("chat_template_kwargs")
+    kwargs = dict(given) if isinstance(given, Mapping) else {}
+    effort = body.get("reasoning_effort")
+    if effort is not None and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = effort != "none"
+    kwargs.update((k, body[k]) for k in _TEMPLATE_FIELDS if body.get(k) not in _UNSET)
+    return kwargs
 
 
 def snapshot(body: Any) -> Snapshot | None:

@@ -565,3 +565,21 @@ def test_sessions_of_one_call_each_keep_the_anchor_of_the_agent_that_starts_most
     assert stats["policy"] == ("survival" if enabled else "lru")
     if enabled:  # a finished one-call session is over: the model is not evaluated for 60 of them
         assert len(runtime.timing.live().names) <= 1
+
+
+def test_the_view_predicts_only_a_transition_it_has_seen():
+    """With a declared graph, an agent never followed yet has its one declared successor as the
+    whole row: the view offered it (live coordinators warmed it) where the replay's gate, an
+    observed transition, did not."""
+    runtime = AgentKVRuntime(clock=lambda: 0.0)
+    runtime.apply_events({"version": 1, "events": [{"type": "graph", "id": "g", "nodes": ["planner", "coder", "tester"],
+                                                    "edges": [["planner", "coder"], ["coder", "tester"]],
+                                                    "entry": ["planner"]}]})
+    for i in range(20):  # planner -> coder seen; coder -> tester declared only
+        runtime.learner.observe("planner", f"s{i}", "")
+        runtime.learner.observe("coder", f"s{i}", "planner")
+    runtime.learner.observe("tester", "x", "")
+    assert runtime.predictor.predict("coder").agent == "tester"  # the chain's best: the declared one
+    runtime.anchors.recent = lambda n: ["planner", "coder", "tester"]
+    runtime.anchor_residency = lambda agent: (0, 0)
+    assert set(runtime.view()["next"]) == {"planner"} and runtime.view()["next"]["planner"][0] == "coder"

@@ -311,3 +311,35 @@ def test_interleaved_sessions_re_tokenize_a_known_anchor_at_most_every_refresh(f
     now[0] += ANCHOR_REFRESH
     book.capture("coder", "s1", chat(user="later"))
     assert book.resolve("coder", counting).tokens == anchor.tokens and len(asked) > first  # recomputed, same
+
+
+@pytest.mark.parametrize("fields", [{"reasoning_effort": "low"}, {"reasoning_effort": "none"},
+                                    {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+                                    {"documents": [{"title": "t", "text": "d"}]}])
+def test_an_anchor_renders_as_vllms_chat_endpoint_renders_the_call(fields):
+    """vLLM's chat endpoint passes ``reasoning_effort`` (and ``enable_thinking``) and ``documents``
+    to the template; ``/tokenize`` has no such fields. Left out, a template that prints the effort
+    in its system header (gpt-oss's) rendered an anchor no real call ever hit."""
+    import jinja2
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest
+
+    template = jinja2.Template(
+        "<|system|>Reasoning: {{ reasoning_effort|default('medium') }} thinking: {{ enable_thinking }} "
+        "{{ documents|default([])|length }} docs{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}")
+
+    def render(request) -> list[int]:  # characters as token ids
+        kwargs = {k: v for k, v in request.build_chat_params(None, "auto").chat_template_kwargs.items()
+                  if v is not None}
+        return [ord(c) for c in template.render(messages=[dict(m) for m in request.messages], **kwargs)]
+
+    def call(task: str) -> dict[str, object]:
+        return {"model": "m", **fields, "messages": [{"role": "system", "content": "You are the coder. " * 20},
+                                                     {"role": "user", "content": task}]}
+
+    book = AnchorBook(block_size=16)
+    for number, task in enumerate(["fix bug A", "write test B", "refactor C"]):
+        book.capture("coder", f"s{number}", call(task))
+    anchor = book.resolve("coder", lambda payload: render(TokenizeChatRequest(**payload)))
+    real = render(ChatCompletionRequest(**call("the next task")))
+    assert anchor is not None and anchor.length > 0 and list(anchor.tokens) == real[:anchor.length]

@@ -634,3 +634,50 @@ def test_coordinators_sharing_an_anchor_book_keep_it_capturing_until_the_last_cl
     with use_tag(AgentTag("planner", session=f"t-{run_id}")):
         call(client, "planner", f"t-{run_id}")
     assert book.counts["captured"] == captured  # the last one closed: the book no longer listens
+
+
+def test_no_warm_up_is_sent_after_close_returned():
+    """``close()`` waits 1 s for the worker; a job still reading a slow view then POSTed its
+    warm-up after ``close()`` had returned."""
+
+    class SlowView(FakeVLLM):
+        def _route(self, path, body):
+            if path == "/agentkv/v1/view":
+                time.sleep(1.5)  # a loaded server: within the view's timeout
+            return super()._route(path, body)
+
+    fake = SlowView(block_size=16, view=True)
+    coordinator = WarmupCoordinator(BASE, transport=fake.transport()).start()
+    system = "coder: you are the coder. Follow the rules exactly. " * 4
+    for session in ("s1", "s2"):
+        coordinator.anchors.capture("coder", session, {"model": "tiny", "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": session}]})
+    coordinator.warm("coder")
+    time.sleep(0.2)
+    coordinator.close()
+    time.sleep(2.0)
+    assert fake.warmups() == [] and coordinator.stats()["sent"] == 0
+
+
+def test_pending_warm_ups_expire_without_a_stats_reader():
+    """With agent names that come and go and nobody reading ``stats()``, the ledger's pending
+    warm-ups grew without bound (they were expired only there)."""
+    from agentkv.warmup import AnchorBook
+
+    now = [0.0]
+    fake = FakeVLLM(block_size=16, view=True)
+    book = AnchorBook(base_url=BASE, max_agents=50, clock=lambda: now[0])
+    coordinator = WarmupCoordinator(BASE, anchors=book, transport=fake.transport(), clock=lambda: now[0],
+                                    max_per_second=1e9, burst=1e9, metrics_interval=0.0).start()
+    try:
+        for i in range(120):
+            agent, system = f"task-{i}", f"task-{i}: you are the worker for task {i}. " * 4
+            for session in ("s1", "s2"):
+                book.capture(agent, session, {"model": "tiny", "messages": [
+                    {"role": "system", "content": system}, {"role": "user", "content": session}]})
+            coordinator.warm(agent)
+            coordinator.flush()
+            now[0] += 10.0  # past the useful window (120 s) within 13 warm-ups
+        assert len(coordinator._ledger.pending) <= 13
+    finally:
+        coordinator.close()
