@@ -582,10 +582,11 @@ def test_instrumenting_an_instrumented_app_returns_it(server, thread, dispatches
 
 def test_a_model_run_outside_any_graph_run_is_tagged_with_the_apps_session(server):
     """A chat model given the app's callbacks but run outside the graph (no graph run known)."""
-    app = instrument(fan_out_app(server), session="fixed")
+    session = f"outside-{uuid.uuid4().hex[:8]}"  # a session no other test's lineage names
+    app = instrument(fan_out_app(server), session=session)
     kind = "langgraph chat model start"
     errors_before = stats()["errors"].get(kind, 0)
     server.chat_openai().invoke("hi", config={"callbacks": [app.handler], "metadata": {"langgraph_node": "plan"}})
-    assert server.tags() == [("plan", "fixed", "", None)]
+    assert server.tags() == [("plan", session, "", None)]
     assert stats()["errors"].get(kind, 0) == errors_before
     assert current_tag() is None
