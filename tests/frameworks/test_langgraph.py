@@ -347,14 +347,19 @@ def test_hand_built_supervisor_with_command_routing(server, thread):
     assert {("supervisor", "coder"), ("supervisor", "critic")} <= {tuple(e) for e in app.facts["conditional_edges"]}
 
 
-def test_subgraph_calls_belong_to_the_outer_agent(server, thread):
-    llm = server.chat_openai()
+def draft_review(llm: Any) -> StateGraph:
+    """A two-node graph (draft, then review), each node one call of ``llm``: a typical subgraph."""
     inner = StateGraph(Notes)
     inner.add_node("draft", lambda s: {"notes": [llm.invoke("draft").content]})
     inner.add_node("review", lambda s: {"notes": [llm.invoke("review").content]})
     inner.add_edge(START, "draft")
     inner.add_edge("draft", "review")
-    team = inner.compile()
+    return inner
+
+
+def test_subgraph_calls_belong_to_the_outer_agent(server, thread):
+    llm = server.chat_openai()
+    team = draft_review(llm).compile()
 
     outer = StateGraph(Notes)
     outer.add_node("intake", lambda s: {"notes": [llm.invoke("intake").content]})

@@ -21,7 +21,7 @@ from agentkv.frameworks import EventSink
 from agentkv.frameworks.langgraph import InstrumentedGraph, instrument
 
 from ._fakes import FakeOpenAI, cfg
-from .test_langgraph import FAN_OUT_EXPECTED, Notes, fan_out_app
+from .test_langgraph import FAN_OUT_EXPECTED, Notes, draft_review, fan_out_app
 
 SIX_NOTES = sorted(["plan", "left", "right", "worker", "worker", "join"])
 
@@ -98,13 +98,7 @@ def _recording_sink(posted: list[tuple[str, str | None]]) -> EventSink:
 
 def _draft_team(server: FakeOpenAI, sink: EventSink) -> InstrumentedGraph:
     """An instrumented two-node app compiled without a checkpointer, as a subgraph usually is."""
-    llm = server.chat_openai()
-    inner = StateGraph(Notes)
-    inner.add_node("draft", lambda s: {"notes": [llm.invoke("draft").content]})
-    inner.add_node("review", lambda s: {"notes": [llm.invoke("review").content]})
-    inner.add_edge(START, "draft")
-    inner.add_edge("draft", "review")
-    return InstrumentedGraph(inner.compile(), sink=sink)
+    return InstrumentedGraph(draft_review(server.chat_openai()).compile(), sink=sink)
 
 
 def test_embedded_in_a_checkpointed_parent_it_does_not_end_the_parents_thread(server, thread):
