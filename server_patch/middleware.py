@@ -32,14 +32,17 @@ import httpx
 
 from agentkv.protocol import (
     EVENTS_PATH,
+    HEADER_VLLM_SESSION,
     MERGE_PATH,
     STATE_PATH,
     STATS_PATH,
     VIEW_PATH,
     XARG_AGENT,
     MalformedCounter,
+    ProtocolError,
     parse_header_list,
     parse_xargs,
+    validate_id,
 )
 from agentkv.settings import env_number, env_switch, env_text
 
@@ -77,6 +80,19 @@ def _route(scope: Scope) -> str:
     """The request's path as vLLM routes it: without the app's ``--root-path`` prefix."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+def _vllm_session(pairs: list[tuple[str, str]], document: dict[str, Any], xargs: dict[str, Any] | None) -> str | None:
+    """The session id vLLM gives the request (its body's ``session_id``, else ``X-Session-ID``, else
+    ``vllm_xargs``' ``session_id``: ``GenerateBaseServing._get_session_id``), if agentkv's ids admit it."""
+    header = next((value for name, value in pairs if name.lower() == HEADER_VLLM_SESSION.lower()), None)
+    for value in (document.get("session_id"), header, (xargs or {}).get("session_id")):
+        if isinstance(value, str) and value:
+            try:
+                return validate_id(value, "session")
+            except ProtocolError:
+                return None  # the engine ignores it too (and counts it)
+    return None
 
 
 class AgentKVMiddleware:
@@ -186,8 +202,9 @@ class AgentKVMiddleware:
         # session the engine may recognize one: told, as an untagged answer, by response id
         if tag is None:
             watched, session = self.recognize, None
-        else:
-            watched, session = not tag.warmup and (bool(tag.session) or self.recognize), tag.session or None
+        else:  # a tag naming its agent alone: the engine takes vLLM's session id, if any, as its session
+            session = tag.session or _vllm_session(pairs, document, xargs)
+            watched = not tag.warmup and (session is not None or self.recognize)
         if watched:
             tools = document.get("tools")
             offered = isinstance(tools, list) and bool(tools) and document.get("background") is not True

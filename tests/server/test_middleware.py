@@ -332,6 +332,27 @@ async def test_behind_a_root_path_tags_and_routes_are_read_as_vllm_routes_them(r
     assert view.status_code == 200 and "anchors" in view.json()
 
 
+@pytest.mark.parametrize("named", ["header", "body", "xargs"])
+async def test_an_agent_only_tag_is_told_for_the_session_vllm_names_it_by(runtime_endpoint, monkeypatch, named):
+    """The agent in ``vllm_xargs``, the session in vLLM's own session id (the body's ``session_id``,
+    else ``X-Session-ID``, else ``vllm_xargs``'): the engine takes that session, so the answer is told
+    for it, with recognition off too (it was not watched: no agentkv session, no recognition)."""
+    monkeypatch.setenv("AGENTKV_RECOGNIZE", "0")
+    middleware = AgentKVMiddleware(answering_app([b'{"id":"chatcmpl-9","choices":[{"finish_reason":"tool_calls"}]}']))
+    session = f"vllm-{named}"
+    runtime_endpoint.timing.observe(session, "coder", 0.0, 0)
+    xargs: dict[str, object] = {"agentkv_agent": "coder"}
+    body: dict[str, object] = {**BODY, **TOOLS, "vllm_xargs": xargs}
+    headers = {"X-Session-ID": session} if named == "header" else {}
+    if named == "body":
+        body["session_id"] = session
+    elif named == "xargs":
+        xargs["session_id"] = session
+    async with client(middleware) as c:
+        await c.post("/v1/chat/completions", json=body, headers=headers)
+    assert await _told(runtime_endpoint, session) is True
+
+
 async def test_untagged_answers_are_not_watched_without_recognition(runtime_endpoint, monkeypatch):
     monkeypatch.setenv("AGENTKV_RECOGNIZE", "0")
     middleware = AgentKVMiddleware(answering_app([b'{"id":"chatcmpl-1","choices":[{"finish_reason":"tool_calls"}]}']))
