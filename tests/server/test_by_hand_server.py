@@ -47,6 +47,5 @@ def test_a_switch_exported_as_a_word_is_read_as_agentkv_serve_reads_it(server: V
     with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
         body = {"model": "tiny", "prompt": [11, 12, 13, 14], "max_tokens": 1}
         response = client.post("/v1/completions", json=body, headers={"X-AgentKV-Agent": "bad agent"})
-        stats = client.get(STATS_PATH).json()
+    # (no stats read here: a stats document is reused for up to a second, which the other test reads)
     assert response.status_code == 400 and response.json()["error"]["message"].startswith("X-AgentKV-Agent")
-    assert stats["enabled"] is True
