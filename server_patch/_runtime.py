@@ -187,10 +187,13 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         def record_prefix_cache_stats_observed(request: Request, num_hits: int) -> None:
             record_prefix_cache_stats(request, num_hits)
             tag = self.tag_of(request)
+            # A preempted request admitted again is no new call (vLLM counts it apart too): it would
+            # count its tokens twice, hit its own freed blocks, and send or use a warm-up twice.
+            readmitted = request.num_preemptions > 0
             # warm-ups are agentkv's own traffic: the agent's hit rate is its real calls'
-            if tag is not None and not tag.warmup and manager.prefix_cache_lookup_enabled(request):
+            if tag is not None and not tag.warmup and not readmitted and manager.prefix_cache_lookup_enabled(request):
                 self._count_traffic(tag.agent, request.num_tokens, num_hits)
-            if tag is not None:
+            if tag is not None and not readmitted:
                 self._note_warmup(request, tag, num_hits)
             if self.trace is not None:
                 self.trace.admitted(request.request_id, tag, request.num_tokens, num_hits, request.block_hashes,

@@ -257,3 +257,24 @@ def test_a_reset_that_preempts_the_running_requests_leaves_no_old_block_in_the_w
     # the first session after it recomputes its anchors; from the next on every call hits them
     assert [hit for session, hit in hits if session != "s3"] == [ANCHOR_BLOCKS * BS] * 12
     assert ask_blocking(control, {"op": "stats"})["evictions"]["anchor"] == 0
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_preempted_request_admitted_again_is_counted_once(make, control, kind):
+    # a reset that preempts what runs (/reset_prefix_cache?reset_running_requests=true) puts a
+    # warm-up and a real call back in the queue: admitted again, neither is a new call
+    scheduler = make(KINDS[kind][0], NUM_BLOCKS)
+    warmup = request("warm", anchor("coder"), AgentTag("coder", "w", "", 0, warmup=True), max_tokens=20)
+    call = request("call", anchor("writer") + list(range(90_000, 90_000 + 2 * BS)), AgentTag("writer", "s", "", 0),
+                   max_tokens=20)
+    scheduler.add_request(warmup)
+    scheduler.add_request(call)
+    step(scheduler)
+    step(scheduler)
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert warmup.num_preemptions == call.num_preemptions == 1
+    while not (warmup.is_finished() and call.is_finished()):
+        step(scheduler)
+    stats = ask_blocking(control, {"op": "stats"})
+    assert stats["warmups"]["sent"] == 1
+    assert stats["agents"]["writer"]["queries"] == call.num_prompt_tokens  # vLLM's count: once
