@@ -315,24 +315,28 @@ class WarmupCoordinator:
             return TargetState(blocks_to_warm(anchor, view, target), view.resident(target, known), view.waiting,
                                view.running, view.free_blocks, view.survival)
 
-        decision = self.policy.decide(state, target_state, self._take)
+        late = False
+
+        def take() -> bool:
+            # the pause may have ended (or the coordinator closed) while we were deciding: then no
+            # token is spent
+            nonlocal late
+            with self._lock:
+                late = self._closed or (job.session is not None and (
+                    job.session in self._ended or self._seq.get(job.session, 0) != job.seq))
+                return not late and self._bucket.take()
+
+        decision = self.policy.decide(state, target_state, take)
         with self._lock:
             self.fallbacks.update(decision.fallbacks)
-        if not decision.warm:
-            self._skip(decision.reason)
-            return
-        with self._lock:  # the pause may have ended (or the coordinator closed) while we were deciding
-            late = self._closed or (job.session is not None and (
-                job.session in self._ended or self._seq.get(job.session, 0) != job.seq))
         if late:
             self._skip("late")
             return
+        if not decision.warm:
+            self._skip(decision.reason)
+            return
         assert target is not None and anchor is not None
         self._send(target, anchor, job, server)
-
-    def _take(self) -> bool:
-        with self._lock:
-            return self._bucket.take()
 
     # -- prediction --------------------------------------------------------------------
 

@@ -681,3 +681,33 @@ def test_pending_warm_ups_expire_without_a_stats_reader():
         assert len(coordinator._ledger.pending) <= 13
     finally:
         coordinator.close()
+
+
+def test_a_job_found_late_while_deciding_spends_no_token(fake: FakeVLLM, clock: Clock, client: OpenAI,
+                                                         run_id: str) -> None:
+    planner, coder = f"planner-{run_id}", f"coder-{run_id}"
+    with make(fake, clock, max_per_second=1e-6, burst=1) as coord:
+        session(client, coord, clock, [planner, coder], f"a-{run_id}")
+        fake.evict_all()
+        policy = coord.policy
+
+        class NextCallWhileDeciding:
+            """The session's next call is sent while the worker decides (once)."""
+
+            def decide(self, job: Any, target: Any, take: Any) -> Any:
+                with coord._lock:
+                    coord._seq[f"b-{run_id}"] += 1
+                coord.policy = policy
+                return policy.decide(job, target, take)
+
+        coord.policy = NextCallWhileDeciding()
+        with agentkv.agent(planner, session=f"b-{run_id}"):
+            call(client, planner, f"b-{run_id}")
+        assert coord.flush(5)
+        with agentkv.agent(planner, session=f"c-{run_id}"):
+            call(client, planner, f"c-{run_id}")
+        assert coord.flush(5)
+        stats = coord.stats()
+    assert stats["skipped"]["late"] == 1 and "rate_limit" not in stats["skipped"]
+    assert stats["sent"] == 1  # the burst's one token went to c
+    assert [w.headers["x-session-id"] for w in fake.warmups()] == [f"c-{run_id}"]
