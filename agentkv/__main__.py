@@ -23,7 +23,9 @@ def _bench_micro(_: argparse.Namespace) -> None:
 def _bench_serve(args: argparse.Namespace) -> None:
     from agentkv.bench import serve
 
-    serve.main(args)
+    code = serve.main(args)
+    if code:  # nothing measured on some target
+        sys.exit(code)
 
 
 def _bench_tape(args: argparse.Namespace) -> None:

@@ -20,12 +20,21 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from agentkv._arguments import at_least, port_number
-from agentkv.launcher import HOST, PORT_RETRIES, VLLM_MODULE, Command, ServerProcess, free_port, lost_a_port
+from agentkv.launcher import (
+    HOST,
+    ISOLATED_PREFIXES,
+    PORT_RETRIES,
+    VLLM_MODULE,
+    Command,
+    ServerProcess,
+    free_port,
+    lost_a_port,
+)
 
 __all__ = ["POLICIES", "Cluster", "ClusterConfig", "main"]
 
@@ -40,8 +49,9 @@ _ONE_PER_SERVER = {"--agentkv-snapshot": "AGENTKV_SNAPSHOT", "--agentkv-trace": 
 @dataclass
 class ClusterConfig:
     """``vllm_args`` go to every replica; they must not set --host or --port. ``env`` is added to
-    the caller's environment of every process (replicas and routers). Every field after ``model``
-    is keyword-only: their order is not part of the interface."""
+    the caller's environment of every process (replicas and routers); ``isolated``: less the
+    caller's agentkv settings and API key (a benchmark's cluster, see ``ServerProcess``). Every
+    field after ``model`` is keyword-only: their order is not part of the interface."""
 
     model: str
     _: KW_ONLY
@@ -55,6 +65,7 @@ class ClusterConfig:
     name: str = "default"
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    isolated: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -66,7 +77,8 @@ class ClusterConfig:
                           for part in (arg.split("=", 1) if arg.startswith("--") and "=" in arg else (arg,))]
         if {"--host", "--port"} & set(self.vllm_args):
             raise ValueError("the cluster picks each replica's --host and --port itself")
-        env = {**os.environ, **self.env}
+        inherited = {k: v for k, v in os.environ.items() if not (self.isolated and k.startswith(ISOLATED_PREFIXES))}
+        env = {**inherited, **self.env}
         shared = [flag for flag, name in _ONE_PER_SERVER.items()
                   if flag in self.vllm_args or (env.get(name, "").strip() and not self.vanilla)]
         if shared and self.replicas > 1:
@@ -121,7 +133,7 @@ class Cluster:
         config = self.config
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.event_ports[index]}"}
         module = VLLM_MODULE if config.vanilla else "agentkv.serve"
-        env = _cpu_binding(index, config.replicas)
+        env = _cpu_binding(index, config.replicas, config.env)
         if not config.vanilla:
             peers = [url for i, url in enumerate(self.replica_urls) if i != index]
             env |= {
@@ -136,7 +148,7 @@ class Cluster:
                     "--host", HOST, "--port", str(port)]
 
         return ServerProcess(Command(argv, env), port=self.replica_ports[index], base_env=config.env,
-                             log_path=self.log_dir / f"replica-{index}.log")
+                             log_path=self.log_dir / f"replica-{index}.log", isolated=config.isolated)
 
     def _router(self, policy: str, port: int, args: Sequence[str] = ()) -> ServerProcess:
         config = self.config
@@ -155,7 +167,7 @@ class Cluster:
             return command + list(args)
 
         return ServerProcess(Command(argv), port=port, base_env=config.env,
-                             log_path=self.log_dir / f"router-{policy}-{port}.log")
+                             log_path=self.log_dir / f"router-{policy}-{port}.log", isolated=config.isolated)
 
     def start(self, timeout: float = 600.0) -> Cluster:
         config = self.config
@@ -224,11 +236,12 @@ class Cluster:
         self.stop()
 
 
-def _cpu_binding(index: int, replicas: int) -> dict[str, str]:
+def _cpu_binding(index: int, replicas: int, env: Mapping[str, str]) -> dict[str, str]:
     """vLLM on CPU binds every server's OpenMP threads to the same cores ("auto"), so co-located
     replicas would share them and leave the rest idle: give replica ``index`` its own slice of
-    the cores. Ignored by GPU builds; an explicit VLLM_CPU_OMP_THREADS_BIND wins."""
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    the cores. Ignored by GPU builds; an explicit VLLM_CPU_OMP_THREADS_BIND (exported, or in
+    ``ClusterConfig.env``, passed as ``env``) wins."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ or "VLLM_CPU_OMP_THREADS_BIND" in env:
         return {}
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     share = max(1, len(cores) // replicas)

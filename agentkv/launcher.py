@@ -31,8 +31,8 @@ import httpx
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HOST", "PORT_RETRIES", "VLLM_MODULE", "Command", "Launchable", "PortLost", "ServerProcess", "ServerSpec",
-    "free_port", "lost_a_port",
+    "HOST", "ISOLATED_PREFIXES", "PORT_RETRIES", "VLLM_MODULE", "Command", "Launchable", "PortLost", "ServerProcess",
+    "ServerSpec", "free_port", "lost_a_port",
 ]
 
 HOST = "127.0.0.1"
@@ -41,6 +41,10 @@ LAUNCH_ENV: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
 # Variables that name one server's own endpoint: never passed on from the caller (``agentkv serve``
 # gives each server a fresh one; two servers on one would refuse to start or cross their replies).
 PER_SERVER_ENV = frozenset({"AGENTKV_CONTROL"})
+# What an ``isolated`` server (a benchmark's, the demo's) never takes from the caller: every agentkv
+# setting (a snapshot, a trace, ``AGENTKV_ENABLED=off``, peers would each change the experiment)
+# and vLLM's API key (the benchmark's clients send none).
+ISOLATED_PREFIXES = ("AGENTKV_", "VLLM_API_KEY")
 WARM_UP_TOKENS = 16  # a started server's first forward pass (``ServerProcess._warm_up``): under a block
 
 SERVING_LINE = b"Application startup complete"  # uvicorn's, once vLLM's API server serves
@@ -137,7 +141,8 @@ class ServerProcess:
       nothing running. The log file is kept after stop (see :attr:`log_path`).
     * Not restartable: one instance runs at most one server. Only :meth:`start` launches again,
       when a port the instance chose itself was taken before the server bound it.
-    * The child's environment: the caller's (less :data:`PER_SERVER_ENV`), :data:`LAUNCH_ENV`,
+    * The child's environment: the caller's (less :data:`PER_SERVER_ENV`; ``isolated``: less
+      :data:`ISOLATED_PREFIXES` too), :data:`LAUNCH_ENV`,
       ``TMPDIR`` (a directory of its own), ``base_env`` (default :attr:`default_env`), then the
       spec's ``env``; later ones win.
       :meth:`stop` removes that directory, with what vLLM leaves in it (its ZMQ sockets and
@@ -155,8 +160,10 @@ class ServerProcess:
         log_path: str | Path | None = None,
         stop_timeout: float = 20.0,
         base_env: Mapping[str, str] | None = None,
+        isolated: bool = False,
     ) -> None:
         self.spec = spec
+        self.isolated = isolated
         self.base_env = dict(self.default_env if base_env is None else base_env)
         self._port = port if port is not None else free_port()
         self._port_is_given = port is not None
@@ -219,7 +226,8 @@ class ServerProcess:
         if self._proc is not None:
             raise RuntimeError(f"{type(self).__name__}.start() called twice")
         self._scratch = tempfile.mkdtemp(prefix="akv-")  # short: ZMQ socket paths must fit 107 bytes
-        inherited = {name: value for name, value in os.environ.items() if name not in PER_SERVER_ENV}
+        inherited = {name: value for name, value in os.environ.items() if name not in PER_SERVER_ENV
+                     and not (self.isolated and name.startswith(ISOLATED_PREFIXES))}
         env = {**inherited, **LAUNCH_ENV, "TMPDIR": self._scratch, **self.base_env, **self.spec.env}
         command = self.spec.command(self._port)
         self._api_key = _api_key(command) or env.get("VLLM_API_KEY") or None  # vLLM's flag wins

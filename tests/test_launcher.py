@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 
@@ -54,9 +55,9 @@ def test_a_given_port_is_never_swapped_for_another(tmp_path):
 
 
 # A stand-in for vLLM's API server module: /health, and /v1/completions behind vLLM's key rule
-# (the last --api-key, else VLLM_API_KEY); it records the AGENTKV_CONTROL it was given.
+# (the last --api-key, else VLLM_API_KEY); it records the AGENTKV_* and VLLM_API_KEY it was given.
 _KEYED_SERVER = """
-import http.server, os, pathlib, sys
+import http.server, json, os, pathlib, sys
 args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
 key = os.environ.get("VLLM_API_KEY")
@@ -65,7 +66,8 @@ for index, arg in enumerate(args):
         key = args[index + 1]
     elif arg.startswith("--api-key="):
         key = arg.split("=", 1)[1]
-pathlib.Path(os.environ["SEEN"]).write_text(os.environ.get("AGENTKV_CONTROL", "unset"))
+pathlib.Path(os.environ["SEEN"]).write_text(json.dumps(
+    {k: v for k, v in os.environ.items() if k.startswith(("AGENTKV_", "VLLM_API_KEY"))}))
 class Keyed(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
@@ -98,4 +100,23 @@ def test_the_first_completion_sends_the_key_the_server_requires(tmp_path, monkey
     spec = ServerSpec(tmp_path, module="keyed_server", extra_args=extra_args,
                       env={"PYTHONPATH": str(tmp_path), "SEEN": str(seen), **env})
     with ServerProcess(spec, log_path=tmp_path / "keyed.log", stop_timeout=5).start(timeout=30):
-        assert seen.read_text() == "unset"  # never passed on: each server gets its own
+        assert "AGENTKV_CONTROL" not in json.loads(seen.read_text())  # never passed on: each server gets its own
+
+
+def test_an_isolated_server_takes_no_agentkv_setting_or_key_from_the_caller(tmp_path, monkeypatch):
+    """A benchmark's servers (``isolated``) run the settings the benchmark gives them: a snapshot,
+    ``AGENTKV_ENABLED=off`` or an API key exported by the caller would change the experiment (the
+    key: every call of the benchmark's clients would get a 401)."""
+    from agentkv.launcher import ServerSpec
+
+    (tmp_path / "keyed_server.py").write_text(_KEYED_SERVER)
+    for name, value in {"AGENTKV_SNAPSHOT": "/tmp/elsewhere.json", "AGENTKV_ENABLED": "off", "VLLM_API_KEY": "K",
+                        "AGENTKV_TRACE": "/tmp/callers.jsonl"}.items():
+        monkeypatch.setenv(name, value)
+    seen = tmp_path / "env"
+    spec = ServerSpec(tmp_path, module="keyed_server", env={"PYTHONPATH": str(tmp_path), "SEEN": str(seen),
+                                                            "AGENTKV_TRACE": str(tmp_path / "ours.jsonl")})
+    server = ServerProcess(spec, log_path=tmp_path / "keyed.log", stop_timeout=5, isolated=True)
+    with server.start(timeout=30):
+        assert json.loads(seen.read_text()) == {"AGENTKV_TRACE": str(tmp_path / "ours.jsonl")}  # the spec's own
+        assert httpx.post(server.base_url + "/v1/completions", json={}, trust_env=False).status_code == 200

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
         spec = ServerSpec(model_dir=model_dir, served_model_name="bench", num_gpu_blocks=201,
                           env={"VLLM_CPU_OMP_THREADS_BIND": str(args.core)})
-        with ServerProcess(spec, base_env=SERVER_ENV) as server:
+        with ServerProcess(spec, base_env=SERVER_ENV, isolated=True) as server:
             print(measure_cost(server.base_url, "bench").describe())
     return 0
 

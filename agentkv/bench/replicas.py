@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from agentkv._arguments import at_least
 from agentkv.bench.topologies import AGENTS, TOPOLOGIES, Topology, topology
 from agentkv.graph import Predictor, TransitionLearner
 
@@ -79,10 +80,10 @@ def accuracy(name: str, *, replicas: int, key: str, sessions: int, length: int, 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--sessions", type=int, default=60)
-    parser.add_argument("--length", type=int, default=12, help="dispatches per session")
-    parser.add_argument("--sync-every", type=int, default=20, help="dispatches between merges")
+    parser.add_argument("--replicas", type=at_least(int, 1), default=2)
+    parser.add_argument("--sessions", type=at_least(int, 1), default=60)
+    parser.add_argument("--length", type=at_least(int, 2), default=12, help="dispatches per session")
+    parser.add_argument("--sync-every", type=at_least(int, 1), default=20, help="dispatches between merges")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     print(f"online top-1 next-agent accuracy, {args.replicas} replicas, {args.sessions} sessions x "

@@ -69,6 +69,12 @@ class ServeConfig:
             raise ValueError(f"unknown router policy {sorted(unknown)}; choose from {choices}")
         if unknown := set(self.routing_keys) - {"session", "agent"}:
             raise ValueError(f"unknown routing key {sorted(unknown)}; choose from session, agent")
+        if self.replicas > 1 and not (self.routers and self.routing_keys):
+            raise ValueError("--replicas > 1 needs at least one --router and one --routing-key")
+        if len(set(self.routers)) < len(self.routers) or len(set(self.routing_keys)) < len(self.routing_keys):
+            raise ValueError("a router or routing key named twice would run one setup twice on the same replicas")
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"--out {self.out} is a file, not a folder")
         if (self.blocks - 1) // self.replicas * self.block_size < self.max_model_len:  # vLLM would refuse to start
             split = f" split over {self.replicas} replicas" if self.replicas > 1 else ""
             raise ValueError(f"--blocks {self.blocks}{split} leaves less than --max-model-len {self.max_model_len} "

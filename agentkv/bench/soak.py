@@ -262,7 +262,7 @@ def _own_server(config: SoakConfig) -> Iterator[tuple[str, int | None]]:
     spec = ServerSpec(model_dir=model_dir, served_model_name=config.model, num_gpu_blocks=config.blocks,
                       module="agentkv.serve", extra_args=["--api-key", config.api_key] if config.api_key else [])
     config.out.mkdir(parents=True, exist_ok=True)
-    with ServerProcess(spec, log_path=config.out / "agentkv-server.log", base_env=SERVER_ENV) as server:
+    with ServerProcess(spec, log_path=config.out / "agentkv-server.log", base_env=SERVER_ENV, isolated=True) as server:
         yield server.base_url, server.pid
 
 

@@ -402,6 +402,8 @@ class WarmupCoordinator:
             length = prompt_tokens // anchor.block_size * anchor.block_size
         with self._lock:
             self.counts["sent"] += 1
+            self.counts["prompt_tokens"] += prompt_tokens or 0
+            self.counts["cached_tokens"] += cached or 0
             # vLLM recomputes the last block of a fully cached prompt: it reports length - block_size
             if cached and length and cached >= length - anchor.block_size:
                 self.counts["already_warm"] += 1
@@ -422,7 +424,9 @@ class WarmupCoordinator:
     # -- reporting ---------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counters: sent, skipped by reason, failed, dropped, useful/not_useful/unmeasured/unused, anchors, lint."""
+        """Counters: sent, skipped by reason, failed, dropped, useful/not_useful/unmeasured/unused, anchors, lint;
+        ``tokens``: the prompt and cached tokens of the warm-ups sent, as their answers' usage told
+        (what they added to the server's prefix-cache counters)."""
         with self._lock:
             self._ledger.expire()
             counts = dict(self.counts)
@@ -437,6 +441,7 @@ class WarmupCoordinator:
                 "unmeasured": counts.get("unmeasured", 0),
                 "unused": counts.get("unused", 0),
                 "already_warm": counts.get("already_warm", 0),
+                "tokens": {"prompt": counts.get("prompt_tokens", 0), "cached": counts.get("cached_tokens", 0)},
                 "predictions": {"right": counts.get("predicted_right", 0), "wrong": counts.get("predicted_wrong", 0)},
                 "pending": len(self._ledger.pending),
                 "queued": len(self._queue),

@@ -62,11 +62,16 @@ def test_router_command_lines(tmp_path):
 def test_each_cpu_replica_gets_its_own_cores(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(cluster_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
-    assert [cluster_module._cpu_binding(i, 2) for i in range(2)] == [
+    assert [cluster_module._cpu_binding(i, 2, {}) for i in range(2)] == [
         {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, {"VLLM_CPU_OMP_THREADS_BIND": "2,3"}]
-    assert cluster_module._cpu_binding(4, 8) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}  # more replicas than cores
+    assert cluster_module._cpu_binding(4, 8, {}) == {"VLLM_CPU_OMP_THREADS_BIND": "0"}  # more replicas than cores
+    # the user's binding wins, given in ClusterConfig.env (docs/scale-out.md) or exported
+    config = cluster_module.ClusterConfig("m", policy="round_robin", env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    replica = cluster_module.Cluster(config)._replica(1)
+    assert replica.base_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in replica.spec.env
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3")
-    assert cluster_module._cpu_binding(0, 2) == {}  # the user's binding wins
+    assert cluster_module._cpu_binding(0, 2, {}) == {}
 
 
 _STARTS: list[int] = []  # replica indexes, in launch order

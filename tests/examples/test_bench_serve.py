@@ -107,7 +107,7 @@ def test_command_line_reaches_the_benchmark(monkeypatch, tmp_path):
     import agentkv.__main__ as cli
 
     seen = {}
-    monkeypatch.setattr(serve, "main", lambda args: seen.setdefault("config", serve.config_from_args(args)))
+    monkeypatch.setattr(serve, "main", lambda args: seen.update(config=serve.config_from_args(args)))
     cli.main(["bench", "serve", "--rates", "0.5,2", "--sessions", "3", "--blocks", "161", "--out", str(tmp_path)])
     config = seen["config"]
     assert (config.rates, config.sessions, config.blocks, config.out) == ([0.5, 2.0], 3, 161, tmp_path)
@@ -140,7 +140,7 @@ def test_replica_options_reach_the_config_and_bad_ones_are_refused(monkeypatch, 
     import agentkv.__main__ as cli
 
     seen = {}
-    monkeypatch.setattr(serve, "main", lambda args: seen.setdefault("config", serve.config_from_args(args)))
+    monkeypatch.setattr(serve, "main", lambda args: seen.update(config=serve.config_from_args(args)))
     cli.main(["bench", "serve", "--replicas", "2", "--router", "kv_aware, round_robin", "--routing-key", "agent",
               "--blocks", "181", "--out", str(tmp_path)])
     config = seen["config"]
@@ -157,6 +157,16 @@ def test_replica_options_reach_the_config_and_bad_ones_are_refused(monkeypatch, 
         ServeConfig(routing_keys=["user"])
     with pytest.raises(ValueError, match="less than --max-model-len"):
         ServeConfig(replicas=4, blocks=201)  # 50 blocks x 32 tokens < 2048
+    # each would start servers and then fail, or run one setup twice under two names
+    with pytest.raises(ValueError, match="at least one --router"):
+        ServeConfig(replicas=2, blocks=401, routers=[])
+    with pytest.raises(ValueError, match="named twice"):
+        ServeConfig(replicas=2, blocks=401, routers=["kv_aware", "kv_aware"])
+    with pytest.raises(ValueError, match="named twice"):
+        ServeConfig(routing_keys=["agent", "agent"])
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        ServeConfig(out=tmp_path / "a-file")
 
 
 def test_targets_cover_every_policy_and_key_once_and_events_go_to_every_agentkv_replica():
@@ -172,6 +182,10 @@ def test_targets_cover_every_policy_and_key_once_and_events_go_to_every_agentkv_
         ("kv_aware/agent", "vanilla"), ("kv_aware/agent", "agentkv"),
         ("round_robin/session", "vanilla"), ("round_robin/session", "agentkv"),  # the key is moot: once
     ]
+    # an uninstrumented app sends no X-Session-ID: every policy once
+    untagged = targets_for(replace(config, untagged=True), {"vanilla": "http://v", "agentkv": "http://a"}, routers,
+                           replicas)
+    assert [t.setup for t in untagged[2:]] == ["kv_aware/session"] * 2 + ["round_robin/session"] * 2
     by = {(t.setup, t.server): t for t in targets}
     assert by["single", "agentkv"] == serve.Target("agentkv", "http://a", ("http://a",), ("http://a",))
     assert by["single", "vanilla"].events == () and by["kv_aware/agent", "vanilla"].events == ()
@@ -260,7 +274,52 @@ def test_the_warmup_arm_runs_the_coordinator_and_reports_what_it_decided(vanilla
     decided = counts.get("sent", 0) + sum(n for k, n in counts.items() if k.startswith("skipped_"))
     assert decided > 0 and counts.get("failed", 0) == 0  # every dispatch's decision, counted by its reason
     assert counts.get("sent", 0) == counts.get("server_sent", 0)  # the server received each one the coordinator sent
+    # the engine's counters less the warm-ups' own tokens: the real calls' hit rate, as their usage tells
+    assert all(row["hit_rate"] == pytest.approx(row["usage_hit_rate"]) for row in rows.values())
     assert {(c["server"], c["baseline"]) for c in result["comparisons"]} == {
         ("agentkv", "vanilla"), ("agentkv+warmup", "vanilla"), ("agentkv+warmup", "agentkv")}
     [line] = serve.warmup_lines(result)
     assert line.startswith(f"agentkv+warmup at 4 sessions/s: warm-ups sent {counts.get('sent', 0)}")
+
+
+def test_warmup_outcomes_seen_in_other_blocks_are_the_warmup_arms():
+    from collections import Counter
+
+    from agentkv.bench.serve.run import _WarmupCredit
+
+    warm, plain = serve.Target("agentkv+warmup", "http://a", ("http://a",)), serve.Target("agentkv", "http://a", ("http://a",))
+
+    def run(target, before, after):
+        reads = (None if before is None else Counter(before), None if after is None else Counter(after))
+        return serve.RateRun(target.server, 1.0, 1, 1, [], 1.0, 0, 0, [], (1.0, 1.0),
+                             warmups={"sent": 0} if target.warmup else None, warmup_reads=reads)
+
+    credit = _WarmupCredit()
+    early = run(plain, {}, {"useful": 1})  # the unmeasured warm-up sessions' warm-up: nobody's
+    first = run(warm, {"useful": 1}, {"sent": 2, "useful": 2})
+    later = run(plain, {"sent": 2, "useful": 2, "wasted": 1}, {"sent": 2, "useful": 3, "wasted": 1})  # expired between
+    unread = run(plain, None, {"sent": 2, "useful": 3, "wasted": 1})
+    for r in (early, first, later, unread):
+        credit.add(warm if r is first else plain, r)
+    assert first.warmups == {"sent": 0, "server_sent": 2, "server_useful": 2, "server_wasted": 1}
+    assert early.warmups is None and later.warmups is None
+    second = run(warm, {"sent": 2, "useful": 3, "wasted": 1}, None)
+    credit.add(warm, second)
+    assert second.warmups == {"sent": 0, "server_unread": 1}
+
+
+def test_a_run_whose_calls_all_failed_exits_non_zero(monkeypatch, tmp_path, capsys):
+    import agentkv.__main__ as cli
+    from agentkv.bench.serve import cli as serve_cli
+
+    def failed(config):
+        rows = [serve.RateRun(server, 1.0, 1, 1, [_record(error="401")], 1.0, 0, 0, ["AuthenticationError"],
+                              (1.0, 1.0)).row() for server in ("vanilla", "agentkv")]
+        return {"config": {"sessions": 1, "turns": 1, "blocks": 81, "block_size": 32, "tool_gap": 0.3, "seed": 0},
+                "rows": rows, "comparisons": []}
+
+    monkeypatch.setattr(serve_cli, "run_benchmark", failed)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "serve", "--model", "tiny", "--out", str(tmp_path)])
+    assert exited.value.code == 1
+    assert "every call failed on vanilla (single), agentkv (single)" in capsys.readouterr().out

@@ -127,6 +127,7 @@ def test_warms_the_predicted_agent_and_counts_useful(fake: FakeVLLM, clock: Cloc
     assert cached(first) == 0  # the planner was not warmed: cold after the eviction
     assert cached(second) >= anchor.length  # the coder was
     assert stats["sent"] == 1 and stats["useful"] == 1 and stats["failed"] == 0
+    assert stats["tokens"] == {"prompt": anchor.length, "cached": 0}  # what it added to vLLM's counters
     assert stats["predictions"] == {"right": 1, "wrong": 0}
     assert stats["recent"][0] | {"seconds": 0} == {
         "agent": coder, "after": planner, "session": f"b-{run_id}", "anchor_tokens": anchor.length,

@@ -27,4 +27,8 @@ def main(args: argparse.Namespace) -> int:
         if row.get("confusion"):
             print("\n" + confusion_markdown(row))
     print("\n" + ", ".join(f"{k}: {v}" for k, v in paths.items()))
+    failed = [f"{row['server']} ({row.get('setup', 'single')})" for row in result["rows"] if row["turns"] == 0]
+    if failed:  # nothing measured there: the figures above are not a comparison
+        print(f"agentkv bench serve: every call failed on {', '.join(failed)} (see the server logs in {config.out})")
+        return 1
     return 0

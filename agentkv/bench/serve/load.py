@@ -54,6 +54,7 @@ async def run_rate(
     example: ModuleType | None = None,
     untagged: bool = False,
     anchors: AnchorBook | None = None,
+    watch_warmups: bool = False,
 ) -> RateRun:
     """Run ``sessions`` sessions arriving at ``rate`` per second on one target.
 
@@ -64,6 +65,10 @@ async def run_rate(
     (with ``anchors``, the book it keeps from run to run, as an application's coordinator would).
     ``untagged`` (an uninstrumented ``app``): on an agentkv target, the run's calls are matched
     to the server's recognitions (``GET /agentkv/v1/recognized``) for a confusion table.
+    ``watch_warmups`` (``agentkv+warmup``, or a target sharing its engine): the engine's warm-up
+    outcomes are read before and after the run (``RateRun.warmup_reads``; the caller attributes them).
+    The hit rate of a run with warm-ups is its real calls': the warm-ups' own tokens are taken out
+    of the engine's counters.
     """
     from agentkv.frameworks import set_routing_key
     from agentkv.warmup import WarmupCoordinator
@@ -88,7 +93,8 @@ async def run_rate(
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
         seen = {r[0] for r in await engine_recognitions(client, target.engines)} if recognize else set()
         before = await engine_counters(client, target.engines)
-        warmed_before = await engine_warmups(client, target.engines) if target.warmup else None
+        watched = target.warmup or watch_warmups
+        warmed_before = await engine_warmups(client, target.engines) if watched else None
         previous_key = set_routing_key(target.routing_key)
         # behind a router the coordinator reads the replicas' views itself (a router hands a read to one)
         replicas = () if target.setup == "single" else target.engines
@@ -107,15 +113,18 @@ async def run_rate(
         if recognize:
             fresh = [r for r in await engine_recognitions(client, target.engines) if r[0] not in seen]
             confusion = confusion_table(timer.records, fresh)
-        warmed = None if warmed_before is None else await engine_warmups(client, target.engines) - warmed_before
-    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+        warmed_after = await engine_warmups(client, target.engines) if watched else None
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = tuple(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    queried = sum(queries)
     warmups = None
     if warmup is not None:
         stats = warmup.stats()
+        hits -= stats["tokens"]["cached"]
+        queried -= stats["tokens"]["prompt"]
         warmups = {k: stats[k] for k in ("sent", "failed", "dropped")} | {
             f"skipped_{reason}": n for reason, n in stats["skipped"].items()} | {
-            f"fallback_{name}": n for name, n in stats["fallbacks"].items()} | {
-            f"server_{outcome}": n for outcome, n in (warmed or {}).items()}
-    return RateRun(target.server, rate, sessions, team.turns, timer.records, wall, sum(hits), sum(queries),
-                   failures, (load0, _load()), target.setup, queries, warmups, confusion)
+            f"fallback_{name}": n for name, n in stats["fallbacks"].items()}
+    return RateRun(target.server, rate, sessions, team.turns, timer.records, wall, hits, queried,
+                   failures, (load0, _load()), target.setup, queries, warmups, confusion,
+                   (warmed_before, warmed_after) if watched else None)

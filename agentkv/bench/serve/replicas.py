@@ -39,7 +39,8 @@ def targets_for(
     targets = single_targets(config, singles)
     kinds = SERVERS if config.warmup else SERVERS[:2]
     for policy in config.routers:
-        keys = config.routing_keys[:1] if policy == "round_robin" else config.routing_keys
+        # the key is moot for round robin, and an uninstrumented app sends none (no X-Session-ID)
+        keys = config.routing_keys[:1] if policy == "round_robin" or config.untagged else config.routing_keys
         for key in keys:
             for kind in kinds:
                 behind = "vanilla" if kind == "vanilla" else "agentkv"
@@ -54,14 +55,14 @@ def start_targets(config: ServeConfig, *, log: Any = print) -> Iterator[list[Tar
     """Start the single servers, both kinds of replicas and every router; yield the targets; stop all."""
     model_dir = build_model(config)
     config.out.mkdir(parents=True, exist_ok=True)
-    singles = {name: ServerProcess(spec, log_path=config.out / f"{name}-server.log", base_env=SERVER_ENV)
+    singles = {name: ServerProcess(spec, log_path=config.out / f"{name}-server.log", base_env=SERVER_ENV, isolated=True)
                for name, spec in server_specs(config, model_dir).items()}
     first, first_args = router_command(config.routers[0])
     clusters = {
         kind: Cluster(ClusterConfig(str(model_dir), replicas=config.replicas, policy=first,
                                     vanilla=kind == "vanilla", vllm_args=replica_args(config),
                                     router_args=list(first_args), name=f"bench-{kind}",
-                                    log_dir=config.out / f"{kind}-replicas", env=SERVER_ENV))
+                                    log_dir=config.out / f"{kind}-replicas", env=SERVER_ENV, isolated=True))
         for kind in SERVERS[:2]
     }
     with running([*singles.values(), *clusters.values()]):

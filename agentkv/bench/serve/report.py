@@ -101,8 +101,10 @@ def warmup_lines(result: dict[str, Any]) -> list[str]:
         skipped = ", ".join(f"{k.removeprefix('skipped_')} {n}" for k, n in counts.items() if k.startswith("skipped_"))
         outcomes = ", ".join(f"{k} {counts[f'server_{k}']}" for k in ("useful", "wasted", "redundant")
                              if f"server_{k}" in counts)
+        unread = counts.get("server_unread", 0)
         lines.append(f"{r['server']}{where} at {r['rate']:g} sessions/s: warm-ups sent {counts.get('sent', 0)}"
                      + (f" ({outcomes}, as the server saw them)" if outcomes else "")
+                     + (f" ({unread} reads of the server's outcomes failed: they are short)" if unread else "")
                      + (f"; decisions skipped: {skipped}" if skipped else ""))
     return lines
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import math
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -56,8 +56,13 @@ def _comparisons(blocks: dict[tuple[float, str, str], list[Block]], seed: int) -
 async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None = None
                      ) -> dict[str, Any]:
     # the run's own HTTP client, closed with its event loop, so that a process can run twice
-    async with openai.DefaultAsyncHttpxClient(timeout=300.0) as http:
-        return await _run_on(config, targets, log, swap, http)
+    from langsmith import tracing_context  # LangChain's tracing client (a LangGraph dependency)
+
+    # trust_env=False: the calls go to loopback, never through the caller's HTTP(S)_PROXY; and no
+    # LangSmith tracing exported by the caller uploads the sessions (or costs time inside the calls)
+    async with openai.DefaultAsyncHttpxClient(timeout=300.0, trust_env=False) as http:
+        with tracing_context(enabled=False):
+            return await _run_on(config, targets, log, swap, http)
 
 
 async def _run_on(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None,
@@ -86,6 +91,8 @@ async def _run_on(config: ServeConfig, targets: Sequence[Target], log: Any, swap
                            untagged=config.untagged, anchors=books.get(target))
     runs: dict[tuple[float, str, str], list[RateRun]] = {}
     blocks: dict[tuple[float, str, str], list[Block]] = {}
+    warm_engines = {e for target in targets if target.warmup for e in target.engines}
+    credit = _WarmupCredit()
     for repeat in range(config.repeats):
         for index, rate in enumerate(config.rates):
             # short alternating blocks (the order flips every block), cores swapped halfway
@@ -98,7 +105,9 @@ async def _run_on(config: ServeConfig, targets: Sequence[Target], log: Any, swap
                     run = await run_rate(app, team, target, rate=rate, sessions=size,
                                          seed=config.seed + 1000 * repeat + b, prefix=f"x{repeat}-r{index}-b{b}",
                                          concurrency=config.concurrency, example=example,
-                                         untagged=config.untagged, anchors=books.get(target))
+                                         untagged=config.untagged, anchors=books.get(target),
+                                         watch_warmups=bool(warm_engines & set(target.engines)))
+                    credit.add(target, run)
                     runs.setdefault((rate, target.setup, target.server), []).append(run)
                     blocks.setdefault((rate, target.setup, target.server), []).append(Block.of(run))
                     row = run.row()
@@ -116,13 +125,48 @@ async def _run_on(config: ServeConfig, targets: Sequence[Target], log: Any, swap
     engines = list(dict.fromkeys(e for t in targets if t.server != "vanilla" for e in t.engines))
     if engines:
         async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
-            with contextlib.suppress(httpx.HTTPError):
-                stats = [(await client.get(e + "/agentkv/v1/stats")).json() for e in engines]
+            try:
+                stats = []
+                for engine in engines:
+                    response = await client.get(engine + "/agentkv/v1/stats")
+                    response.raise_for_status()
+                    stats.append(response.json())
+            except (httpx.HTTPError, ValueError) as exc:  # the figures measured stand without them
+                log(f"agentkv's stats could not be read ({type(exc).__name__}: {exc}): no anchor-kept column")
+            else:
                 result["agentkv_stats"] = stats[0]
                 if len(stats) > 1:
                     result["agentkv_engine_stats"] = dict(zip(engines, stats, strict=True))
                 add_anchor_hits(rows, stats[0])
     return result
+
+
+class _WarmupCredit:
+    """The server's warm-up outcomes, to the warm-up arm. A warm-up stays pending until its agent's
+    next call, often in another arm's block on the same engine, or expires between blocks: every
+    change of an engine's counts since its previous read is credited to the warm-up arm's latest
+    run on that engine (before the first one: the unmeasured warm-up sessions', dropped)."""
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple[str, ...], RateRun] = {}
+        self._read: dict[tuple[str, ...], collections.Counter[str] | None] = {}
+
+    def add(self, target: Target, run: RateRun) -> None:
+        if run.warmup_reads is None:
+            return
+        before, after = run.warmup_reads
+        start = self._read.get(target.engines, before)
+        self._read[target.engines] = after
+        if target.warmup:
+            self._latest[target.engines] = run
+        owner = self._latest.get(target.engines)
+        if owner is None or owner.warmups is None:
+            return
+        if start is None or after is None:  # a read failed: the row says so rather than count nothing
+            owner.warmups["server_unread"] = owner.warmups.get("server_unread", 0) + 1
+            return
+        for outcome, n in (after - start).items():
+            owner.warmups[f"server_{outcome}"] = owner.warmups.get(f"server_{outcome}", 0) + n
 
 
 def _label(target: Target) -> str:

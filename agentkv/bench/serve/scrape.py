@@ -4,7 +4,6 @@ agentkv's warm-up outcomes and its recent recognitions."""
 from __future__ import annotations
 
 import collections
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,13 +37,13 @@ async def engine_counters(client: httpx.AsyncClient, engines: Sequence[str]) -> 
     return counters
 
 
-async def engine_warmups(client: httpx.AsyncClient, engines: Sequence[str]) -> collections.Counter[str]:
+async def engine_warmups(client: httpx.AsyncClient, engines: Sequence[str]) -> collections.Counter[str] | None:
     """The warm-up outcomes the agentkv engines counted (``warmups`` of their stats), summed, with
-    the useful ones' leads by bucket (``lead_le_0.05``, ..., ``lead_over_30``); none from an engine
-    without agentkv or whose stats cannot be read."""
+    the useful ones' leads by bucket (``lead_le_0.05``, ..., ``lead_over_30``); None when an
+    engine's stats cannot be read (a difference with a read that failed would be no count at all)."""
     total: collections.Counter[str] = collections.Counter()
     for root in engines:
-        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+        try:
             response = await client.get(root + STATS_PATH)
             response.raise_for_status()
             outcomes = response.json().get("warmups") or {}
@@ -54,6 +53,8 @@ async def engine_warmups(client: httpx.AsyncClient, engines: Sequence[str]) -> c
                 bounds = lead["bounds"]
                 names = [*(f"lead_le_{bound:g}" for bound in bounds), f"lead_over_{bounds[-1]:g}"]
                 total.update(dict(zip(names, map(int, lead["counts"]), strict=False)))
+        except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+            return None
     return total
 
 

@@ -38,7 +38,7 @@ def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterat
     trace = log_dir / TRACE_NAME
     trace.unlink(missing_ok=True)  # this run's traffic only
     servers = {
-        name: ServerProcess(spec, log_path=log_dir / f"{name}-server.log", base_env=SERVER_ENV)
+        name: ServerProcess(spec, log_path=log_dir / f"{name}-server.log", base_env=SERVER_ENV, isolated=True)
         for name, spec in server_specs(config, model_dir, trace=trace).items()
     }
     with running(list(servers.values())):

@@ -91,7 +91,10 @@ class RateRun:
     setup: str = "single"
     engine_queries: tuple[float, ...] = ()
     warmups: dict[str, int] | None = None  # the coordinator's counts; server_*: the engines' warm-up outcomes
+    #                                        (added by the caller, see ``warmup_reads``)
     confusion: dict[str, dict[str, int]] | None = None  # untagged: true agent -> recognized agent -> calls
+    # the engine's warm-up outcome totals before and after the run (None: a read failed)
+    warmup_reads: tuple[collections.Counter[str] | None, collections.Counter[str] | None] | None = None
 
     def row(self) -> dict[str, Any]:
         return pooled_row([self])
