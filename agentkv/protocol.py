@@ -44,6 +44,7 @@ __all__ = [
     "MalformedCounter",
     "ParseResult",
     "ProtocolError",
+    "names_a_session",
     "parse_header_list",
     "parse_headers",
     "parse_xargs",
@@ -239,6 +240,13 @@ def _parse(values: Mapping[str, object], names: Mapping[str, str], strict: bool)
     return ParseResult(AgentTag(**fields))
 
 
+def names_a_session(session_id: str, agent: object) -> bool:
+    """Whether vLLM's session id of a tagged request that names no session of its own stands for
+    its session: not when it is the agent's own name, the routing key of ``set_routing_key("agent")``
+    (it groups an agent's calls on one replica; the conversation is for recognition to find)."""
+    return session_id != agent
+
+
 def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseResult:
     """Parse the agentkv headers of one request (header names are case-insensitive).
 
@@ -255,7 +263,7 @@ def parse_headers(headers: Mapping[str, str], *, strict: bool = False) -> ParseR
     stand_in = lowered.get(HEADER_VLLM_SESSION.lower())
     warmup = "warmup" in values  # a warm-up carries X-Session-ID only as a routing key: it joins no session
     if values and not warmup and "session" not in values and stand_in is not None \
-            and _ID_PATTERN.fullmatch(stand_in):
+            and _ID_PATTERN.fullmatch(stand_in) and names_a_session(stand_in, values.get("agent")):
         values["session"] = stand_in
     return _parse(values, _HEADER_NAMES, strict)
 

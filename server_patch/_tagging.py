@@ -7,7 +7,15 @@ from collections import OrderedDict
 
 from vllm.v1.request import Request
 
-from agentkv.protocol import HEADER_VLLM_SESSION, AgentTag, MalformedCounter, ProtocolError, parse_xargs, validate_id
+from agentkv.protocol import (
+    HEADER_VLLM_SESSION,
+    AgentTag,
+    MalformedCounter,
+    ProtocolError,
+    names_a_session,
+    parse_xargs,
+    validate_id,
+)
 
 from ._answers import answer_keys
 from ._recognize import Recognizer
@@ -85,7 +93,7 @@ class RequestTagging:
         session_id = request.session_id
         if not session_id or (tag is None and self.recognizer is None):
             return None
-        if tag is not None and (tag.session is not None or tag.warmup):
+        if tag is not None and (tag.session is not None or tag.warmup or not names_a_session(session_id, tag.agent)):
             return None
         try:
             return validate_id(session_id, HEADER_VLLM_SESSION)

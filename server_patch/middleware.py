@@ -40,6 +40,7 @@ from agentkv.protocol import (
     XARG_AGENT,
     MalformedCounter,
     ProtocolError,
+    names_a_session,
     parse_header_list,
     parse_xargs,
     validate_id,
@@ -82,16 +83,19 @@ def _route(scope: Scope) -> str:
     return path[len(root):] if root and path.startswith(root + "/") else path
 
 
-def _vllm_session(pairs: list[tuple[str, str]], document: dict[str, Any], xargs: dict[str, Any] | None) -> str | None:
+def _vllm_session(pairs: list[tuple[str, str]], document: dict[str, Any], xargs: dict[str, Any] | None,
+                  agent: str) -> str | None:
     """The session id vLLM gives the request (its body's ``session_id``, else ``X-Session-ID``, else
-    ``vllm_xargs``' ``session_id``: ``GenerateBaseServing._get_session_id``), if agentkv's ids admit it."""
+    ``vllm_xargs``' ``session_id``: ``GenerateBaseServing._get_session_id``), if agentkv's ids admit it
+    and it is not ``agent``'s routing key (``names_a_session``)."""
     header = next((value for name, value in pairs if name.lower() == HEADER_VLLM_SESSION.lower()), None)
     for value in (document.get("session_id"), header, (xargs or {}).get("session_id")):
         if isinstance(value, str) and value:
             try:
-                return validate_id(value, "session")
+                session = validate_id(value, "session")
             except ProtocolError:
                 return None  # the engine ignores it too (and counts it)
+            return session if names_a_session(session, agent) else None
     return None
 
 
@@ -203,7 +207,7 @@ class AgentKVMiddleware:
         if tag is None:
             watched, session = self.recognize, None
         else:  # a tag naming its agent alone: the engine takes vLLM's session id, if any, as its session
-            session = tag.session or _vllm_session(pairs, document, xargs)
+            session = tag.session or _vllm_session(pairs, document, xargs, tag.agent)
             watched = not tag.warmup and (session is not None or self.recognize)
         if watched:
             tools = document.get("tools")

@@ -86,3 +86,32 @@ def test_a_call_that_names_its_agent_alone_joins_its_session_from_the_agents_sec
     last = [(agent, session) for _, agent, session, _ in recent[-3:]]
     assert [agent for agent, _ in last] == ["planner", "coder", "reviewer"]
     assert len({session for _, session in last}) == 1  # the reviewer's second call joined the conversation
+
+
+def test_routing_by_agent_leaves_the_session_of_an_agent_only_call_to_recognition(own_agentkv_server):
+    """``set_routing_key("agent")`` puts the agent's name in ``X-Session-ID`` for the router: a call
+    tagged ``agentkv.agent(name)`` alone is still not one session per agent (every call of the
+    coder was its one long session): its conversation is recognized."""
+    import openai
+
+    import agentkv
+    from agentkv.frameworks import set_routing_key
+
+    anchors = {a: _tokens("team", BLOCK) + _tokens(f"routed-anchor-{a}", 4 * BLOCK) for a in AGENTS}
+    client = openai.OpenAI(base_url=own_agentkv_server.base_url + "/v1", api_key="x", max_retries=0,
+                           http_client=httpx.Client(timeout=120, trust_env=False))
+    previous = set_routing_key("agent")
+    try:
+        for s in range(4):
+            history = _tokens(f"routed-task-{s}", 3 * BLOCK)
+            for agent in AGENTS:
+                with agentkv.agent(agent):
+                    client.completions.create(model="tiny", prompt=anchors[agent] + history, max_tokens=1)
+                history = history + _tokens(f"routed-out-{s}-{agent}", BLOCK)
+    finally:
+        set_routing_key(previous)
+    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=120, trust_env=False) as raw:
+        recent = raw.get("/agentkv/v1/recognized").json()["recognized"]
+    last = [(agent, session) for _, agent, session, _ in recent[-2:]]
+    assert [agent for agent, _ in last] == list(AGENTS)
+    assert len({session for _, session in last}) == 1 and last[0][1] not in AGENTS  # one conversation, recognized
