@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +34,8 @@ class RequestTrace:
     prompt's full blocks, the block size and the pool's blocks (``agentkv bench bound`` reads it).
     Each line is one unbuffered append (one ``write`` of the whole line), so that a reader, or
     the other engines of a data-parallel server writing the same file, never see half a line.
-    Invariant: the file never grows past ``limit`` bytes by this trace; a write error stops the
+    Invariant: no line takes the file past ``limit`` bytes (its own size: the lines of a
+    restart on the same path, or of the other engines, count too); a write error stops the
     trace for good (logged once) and never fails the request.
     """
 
@@ -44,7 +46,6 @@ class RequestTrace:
         self.written = 0
         self.dropped = 0
         self.error: str | None = None
-        self._bytes = 0
         self._file: Any = None  # a raw FileIO, opened at the first line
 
     def admitted(self, request_id: str, tag: AgentTag | None, tokens: int, hit_tokens: int,
@@ -59,19 +60,18 @@ class RequestTrace:
             "tokens": tokens, "hit": hit_tokens, "block_size": block_size, "pool_blocks": pool_blocks,
             "blocks": [block_key(h) for h in block_hashes],
         }, separators=(",", ":")).encode() + b"\n"
-        if self._bytes + len(line) > self.limit:
-            self.dropped += 1
-            return
         try:
             if self._file is None:
                 self._file = open(self.path, "ab", buffering=0)  # kept open for the server's life
+            if os.fstat(self._file.fileno()).st_size + len(line) > self.limit:
+                self.dropped += 1
+                return
             if self._file.write(line) != len(line):
                 raise OSError(f"short write ({len(line)} bytes)")
         except OSError as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             logger.warning("agentkv: the request trace %s stopped: %s", self.path, self.error)
             return
-        self._bytes += len(line)
         self.written += 1
 
     def stats(self) -> dict[str, Any]:

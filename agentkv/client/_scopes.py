@@ -81,7 +81,8 @@ def agent(
     :func:`~agentkv.client.on_dispatch` listeners run. ``session=None`` inherits the session of an
     enclosing tag, if any (with none, the server recognizes the session from the prompt). ``name``
     and ``session`` are sanitized to valid protocol ids. The tag is
-    visible to code in the same context (threads and asyncio tasks started inside get a copy).
+    visible to code in the same context: asyncio tasks started inside get a copy; a thread does
+    not (Python copies no context into threads): run its work in ``contextvars.copy_context().run``.
     """
 
     def make() -> Dispatch:

@@ -7,6 +7,7 @@ The same tagged multi-agent sequence is replayed against both; the assertion is 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import httpx
 import pytest
@@ -107,10 +108,23 @@ def test_malformed_headers_are_served_untagged_and_counted(own_agentkv_server):
 
 
 def test_metrics_carry_agentkv_counters_beside_vllms(own_agentkv_server):
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"X-AgentKV-Agent": "metrics.coder", "X-AgentKV-Session": "metrics-1"}
+    httpx.post(own_agentkv_server.base_url + "/v1/completions", headers=headers, trust_env=False, timeout=120,
+               json={"model": "tiny", "prompt": _anchor("metrics.coder"), "max_tokens": 1}).raise_for_status()
     text = httpx.get(own_agentkv_server.base_url + "/metrics", trust_env=False,
                      headers={"Accept-Encoding": "gzip"}).text
     assert "vllm:prefix_cache_queries_total" in text
-    assert "agentkv_evictions_total" in text and "agentkv_predictability" in text
+    # every family docs/server.md lists, by the name the exposition gives it
+    documented = Path(__file__).parents[2].joinpath("docs", "server.md").read_text().split("* `/metrics`:")[1]
+    documented = documented.split("### ")[0]
+    names = {name.removesuffix("_total") for name in re.findall(r"`(agentkv_[a-z0-9_]+)", documented)}
+    assert len(names) == 17
+    families = {family.name for family in text_string_to_metric_families(text)}
+    assert names <= families, sorted(names - families)
 
 
 def test_a_tool_loop_without_steps_is_learned_as_one_dispatch(own_agentkv_server):

@@ -58,6 +58,15 @@ def test_a_trace_stops_growing_at_its_limit(tmp_path):
     assert trace.written + trace.dropped == 10 and trace.dropped > 0
 
 
+def test_the_limit_is_the_files_whoever_wrote_it(tmp_path):
+    # a restart on the same path, and the engines of a data-parallel server sharing it
+    traces = [RequestTrace(str(tmp_path / "trace.jsonl"), limit=400) for _ in range(3)]
+    for index in range(10):
+        for trace in traces:
+            trace.admitted(f"r{index}", AgentTag("a", "s", "", 0), 40, 0, [b"\x01" * 32, b"\x02" * 32], 16, 100)
+    assert (tmp_path / "trace.jsonl").stat().st_size <= 400
+
+
 def test_the_benchmark_traces_its_agentkv_server_and_reports_the_bound(agentkv_server, tmp_path):
     from agentkv.bench.serve import ServeConfig, bound_lines, server_specs
     from agentkv.bench.serve.run import _bound
