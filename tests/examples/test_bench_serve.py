@@ -57,7 +57,7 @@ def test_repeats_pool_calls_walls_and_counters():
         return serve.RateRun("agentkv", 1.0, 2, 8, [_record(ttft=ttft)] * 8, wall, 300, 400, [], (load, load + 1))
 
     row = serve.pooled_row([run(0.1, 4.0, 1.0), run(0.3, 4.0, 3.0)])
-    assert (row["turns"], row["sessions"], row["repeats"]) == (16, 4, 2)
+    assert (row["turns"], row["sessions"], row["blocks"]) == (16, 4, 2)
     assert row["ttft_mean_ms"] == pytest.approx(200.0) and row["throughput"] == pytest.approx(2.0)
     assert row["hit_rate"] == pytest.approx(0.75) and row["offered_turns_per_s"] == 8.0
     assert [r["ttft_mean_ms"] for r in row["runs"]] == pytest.approx([100.0, 300.0])
@@ -96,6 +96,11 @@ def test_markdown_table_and_demo_summary():
     ]
     serve.add_anchor_hits(rows, {"block_size": 32, "agents": {"coder": {"anchor_length_blocks": 2}}})
     assert [r["anchor_hit_rate"] for r in rows] == [0.0, 1.0]  # the 64-token anchor: 60 cached miss it
+    # untagged: the server knows the coder as what it recognized it as, most often
+    untagged = serve.RateRun("agentkv", 0.5, 1, 1, [_record(ttft=0.1, cached=64)] * 3, 1.0, 3, 4, [], (0.7, 0.9),
+                             confusion={"coder": {"fp:1": 2, "fp:2": 1}}).row()
+    serve.add_anchor_hits([untagged], {"block_size": 32, "agents": {"fp:1": {"anchor_length_blocks": 2}}})
+    assert untagged["anchor_hit_rate"] == 1.0
     table = serve.markdown_table(rows)
     assert table.splitlines()[2].startswith("| 0.5 | vanilla | 25.0% | 0% | 200 ms")
     assert table.splitlines()[3].startswith("| 0.5 | agentkv | 75.0% | 100% | 100 ms")

@@ -175,12 +175,16 @@ def _label(target: Target) -> str:
 
 def add_anchor_hits(rows: Sequence[dict[str, Any]], stats: dict[str, Any]) -> None:
     """Add ``anchor_hit_rate`` to each row: the fraction of calls whose cached prefix covered the
-    whole anchor of their agent, as the agentkv server learned it (``anchor_length_blocks``)."""
+    whole anchor of their agent, as the agentkv server learned it (``anchor_length_blocks``). An
+    untagged run's agents are the server's recognitions (``fp:...``): each of the app's agents is
+    read as the one it was recognized as most often (the row's ``confusion``)."""
     block = int(stats.get("block_size") or 32)
     anchors = {a: int(v.get("anchor_length_blocks") or 0) * block for a, v in stats.get("agents", {}).items()}
     for row in rows:
-        calls = [c for c in row.get("calls", []) if anchors.get(c[0], 0) > 0]
-        row["anchor_hit_rate"] = sum(c[5] >= anchors[c[0]] for c in calls) / len(calls) if calls else math.nan
+        named = {agent: max(seen, key=seen.__getitem__) for agent, seen in (row.get("confusion") or {}).items() if seen}
+        lengths = [anchors.get(named.get(c[0], c[0]), 0) for c in row.get("calls", [])]
+        kept = [c[5] >= length for c, length in zip(row.get("calls", []), lengths, strict=True) if length > 0]
+        row["anchor_hit_rate"] = sum(kept) / len(kept) if kept else math.nan
 
 
 def run_benchmark(

@@ -102,7 +102,8 @@ class RateRun:
 
 def pooled_row(runs: Sequence[RateRun]) -> dict[str, Any]:
     """One result row from one or more runs of the same (server, rate): calls pooled, walls and
-    counter deltas summed; ``runs`` lists each repeat's own headline numbers and machine load."""
+    counter deltas summed; ``blocks`` counts the runs (one per block of sessions, over every repeat)
+    and ``runs`` lists each one's own headline numbers and machine load."""
     first = runs[0]
     row = summarize(
         [r for run in runs for r in run.records], server=first.server, rate=first.rate,
@@ -111,7 +112,7 @@ def pooled_row(runs: Sequence[RateRun]) -> dict[str, Any]:
         failed_sessions=sum(len(run.failures) for run in runs), setup=first.setup,
     )
     row["offered_turns_per_s"] = first.rate * first.turns_per_session
-    row["repeats"] = len(runs)
+    row["blocks"] = len(runs)  # not the repeats: a repeat runs several blocks
     if len(first.engine_queries) > 1:  # how the router spread the prompt tokens over the replicas
         per_engine = [sum(q) for q in zip(*(run.engine_queries for run in runs), strict=True)]
         row["engine_share"] = [q / sum(per_engine) if sum(per_engine) else math.nan for q in per_engine]
