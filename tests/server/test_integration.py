@@ -107,6 +107,17 @@ def test_malformed_headers_are_served_untagged_and_counted(own_agentkv_server):
         assert client.post(EVENTS_PATH, content=b"{nope").status_code == 400
 
 
+def test_a_cancel_ends_its_session_and_a_retried_batch_is_applied_once(own_agentkv_server):
+    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
+    tag = AgentTag("cancel.coder", "cancel-1", "", 0)
+    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        cached_tokens(client, _anchor("cancel.coder") + [7] * BLOCK, tag.to_headers())
+        batch = {"version": 1, "events": [{"type": "cancel", "id": "cancel-1-end", "session": "cancel-1"}]}
+        assert client.post(EVENTS_PATH, json=batch).json() == {"accepted": 1, "duplicates": 0}
+        assert client.post(EVENTS_PATH, json=batch).json() == {"accepted": 0, "duplicates": 1}  # a client's retry
+    assert snapshot.delta("sessions", "ended") == 1
+
+
 def test_metrics_carry_agentkv_counters_beside_vllms(own_agentkv_server):
     import re
 
