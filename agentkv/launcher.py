@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "HOST", "ISOLATED_PREFIXES", "PORT_RETRIES", "VLLM_MODULE", "Command", "Launchable", "PortLost", "ServerProcess",
-    "ServerSpec", "free_port", "lost_a_port",
+    "ServerSpec", "exit_on_signals", "free_port", "lost_a_port",
 ]
 
 HOST = "127.0.0.1"
@@ -62,6 +62,19 @@ class PortLost(RuntimeError):
 def lost_a_port(exc: BaseException) -> bool:
     """A start-up failure because a port was taken between choosing it and binding it."""
     return isinstance(exc, PortLost) or (isinstance(exc, RuntimeError) and "Address already in use" in str(exc))
+
+
+def exit_on_signals() -> None:
+    """Make SIGTERM and SIGHUP (a killed job, a closed terminal) exit the process as ``sys.exit``
+    does, so that ``finally`` blocks and :mod:`atexit` stop the servers it started: a signal's
+    default action ends the process before either runs, and a server runs in a session of its
+    own, so it would be left running. Call it from the main thread."""
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, leave)
 
 
 def free_port() -> int:

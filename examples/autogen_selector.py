@@ -31,14 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.messages import BaseChatMessage
 from autogen_agentchat.teams import SelectorGroupChat
 from autogen_core.models import UserMessage
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
+from agentkv._arguments import at_least
 from agentkv.frameworks import use_tag
 from agentkv.frameworks.autogen import instrument, instrumentation
+from agentkv.launcher import exit_on_signals
 
 AGENTS = {
     "planner": (
@@ -164,13 +167,17 @@ def agentkv_root(base_url: str) -> str | None:
 
 
 def start_local_server(blocks: int) -> Any:
-    """Build the tiny random model and start ``agentkv serve`` on it (127.0.0.1, a free port)."""
-    from agentkv.testing.tiny_model import build_tiny_model
+    """Build the tiny random model and start ``agentkv serve`` on it (127.0.0.1, a free port); its
+    log in .build/. Context as long as the blocks hold."""
+    from agentkv.testing.tiny_model import MAX_POSITION_EMBEDDINGS, build_tiny_model
     from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
-    model_dir = build_tiny_model(Path(__file__).resolve().parents[1] / ".build" / "tiny-model")
+    build = Path(__file__).resolve().parents[1] / ".build"
+    model_dir = build_tiny_model(build / "tiny-model")
     print(f"starting agentkv serve on the tiny model ({blocks - 1} KV blocks of 32 tokens) ...", flush=True)
-    return VLLMServer(ServerSpec(model_dir=model_dir, num_gpu_blocks=blocks, module="agentkv.serve")).start()
+    spec = ServerSpec(model_dir=model_dir, num_gpu_blocks=blocks, module="agentkv.serve",
+                      max_model_len=min(MAX_POSITION_EMBEDDINGS, (blocks - 1) * 32))
+    return VLLMServer(spec, log_path=build / "autogen-example-server.log").start()
 
 
 async def run(args: argparse.Namespace, base_url: str) -> None:
@@ -217,15 +224,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", help="OpenAI-compatible endpoint (default: start a local agentkv server)")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--sessions", type=int, default=2)
-    parser.add_argument("--turns", type=int, default=6, help="speaker turns per session")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--sessions", type=at_least(int, 0), default=2)
+    parser.add_argument("--turns", type=at_least(int, 1), default=6, help="speaker turns per session")
+    parser.add_argument("--max-tokens", type=at_least(int, 1), default=24)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--blocks", type=int, default=257, help="local server: --num-gpu-blocks-override")
+    parser.add_argument("--blocks", type=at_least(int, 65), default=257,
+                        help="local server: --num-gpu-blocks-override (65 and up: 2,048 tokens of context)")
     args = parser.parse_args(argv)
+    if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
+        parser.error(f"--base-url needs its scheme, e.g. http://{args.base_url}")
+    exit_on_signals()  # a kill or a closed terminal stops the local server too
     server = start_local_server(args.blocks) if args.base_url is None else None
+    base_url = args.base_url or server.base_url + "/v1"
     try:
-        asyncio.run(run(args, args.base_url or server.base_url + "/v1"))
+        asyncio.run(run(args, base_url))
+    except (openai.APIConnectionError, httpx.HTTPError) as exc:
+        print(f"cannot reach {base_url}: {exc}", file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             server.stop()

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import httpx
+import openai
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, tool
@@ -47,7 +48,9 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.graph.message import add_messages
 
 import agentkv
+from agentkv._arguments import at_least
 from agentkv.bench.topologies import AGENTS, topology
+from agentkv.launcher import exit_on_signals
 
 # ---------------------------------------------------------------------------------------------
 # Tools: small, real and deterministic. Their schemas are part of each agent's anchor.
@@ -418,19 +421,22 @@ def agentkv_root(base_url: str) -> str | None:
 
 
 def start_local_server(blocks: int) -> Any:
-    """Build the tiny random model and start ``agentkv serve`` on it (127.0.0.1, a free port)."""
-    from agentkv.testing.tiny_model import build_tiny_model
+    """Build the tiny random model and start ``agentkv serve`` on it (127.0.0.1, a free port); its
+    log in .build/. Context as long as the blocks hold (the history grows ~150 tokens a turn)."""
+    from agentkv.testing.tiny_model import MAX_POSITION_EMBEDDINGS, build_tiny_model
     from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
-    model_dir = build_tiny_model(Path(__file__).resolve().parents[1] / ".build" / "tiny-model")
+    build = Path(__file__).resolve().parents[1] / ".build"
+    model_dir = build_tiny_model(build / "tiny-model")
     spec = ServerSpec(
         model_dir=model_dir,
         num_gpu_blocks=blocks,
+        max_model_len=min(MAX_POSITION_EMBEDDINGS, (blocks - 1) * 32),
         module="agentkv.serve",
         extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "xlam"],
     )
     print(f"starting agentkv serve on the tiny model ({blocks - 1} KV blocks of 32 tokens) ...", flush=True)
-    return VLLMServer(spec).start()
+    return VLLMServer(spec, log_path=build / "langgraph-example-server.log").start()
 
 
 def _print_stats(root: str) -> None:
@@ -472,20 +478,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", help="OpenAI-compatible endpoint (default: start a local agentkv server)")
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--sessions", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=1, help="sessions running at once")
-    parser.add_argument("--turns", type=int, default=8, help="agent turns per session")
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--tool-gap", type=float, default=0.3, help="seconds each tool step takes")
+    parser.add_argument("--sessions", type=at_least(int, 0), default=3)
+    parser.add_argument("--concurrency", type=at_least(int, 1), default=1, help="sessions running at once")
+    parser.add_argument("--turns", type=at_least(int, 1), default=8, help="agent turns per session")
+    parser.add_argument("--max-tokens", type=at_least(int, 1), default=24)
+    parser.add_argument("--tool-gap", type=at_least(float, 0), default=0.3, help="seconds each tool step takes")
     parser.add_argument("--tool-choice", default="auto", choices=["auto", "none"])
     parser.add_argument("--routing", default="model", choices=["model", "markov"],
                         help="markov: route by the seeded chain only, ignoring the model's pick")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--blocks", type=int, default=257, help="local server: --num-gpu-blocks-override")
+    parser.add_argument("--blocks", type=at_least(int, 65), default=257,
+                        help="local server: --num-gpu-blocks-override (65 and up: 2,048 tokens of context)")
     args = parser.parse_args(argv)
+    if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
+        parser.error(f"--base-url needs its scheme, e.g. http://{args.base_url}")
+    exit_on_signals()  # a kill or a closed terminal stops the local server too
     server = start_local_server(args.blocks) if args.base_url is None else None
+    base_url = args.base_url or server.base_url + "/v1"
     try:
-        asyncio.run(_main_async(args, args.base_url or server.base_url + "/v1"))
+        asyncio.run(_main_async(args, base_url))
+    except (openai.APIConnectionError, httpx.HTTPError) as exc:
+        print(f"cannot reach {base_url}: {exc}", file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             server.stop()

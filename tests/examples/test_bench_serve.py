@@ -328,3 +328,10 @@ def test_a_run_whose_calls_all_failed_exits_non_zero(monkeypatch, tmp_path, caps
         cli.main(["bench", "serve", "--model", "tiny", "--out", str(tmp_path)])
     assert exited.value.code == 1
     assert "every call failed on vanilla (single), agentkv (single)" in capsys.readouterr().out
+
+
+def test_the_demo_says_what_the_server_learned_before_it_can_score_its_predictions():
+    from agentkv.demo import _learned
+
+    lines = _learned({"policy": "lru", "predictability": 0.0, "top1_accuracy": None, "evictions": {"anchor": 0}})
+    assert lines[0] == "agentkv server learned: policy lru, predictability R 0.00, next-agent top-1 accuracy n/a"

@@ -48,10 +48,11 @@ def start_servers(config: ServeConfig, *, log_dir: Path | None = None) -> Iterat
 @contextlib.contextmanager
 def running(processes: Sequence[Any]) -> Iterator[None]:
     """Start every process (objects with ``start()`` and an idempotent ``stop()``) in parallel,
-    and stop them all on any exit: errors, Ctrl-C, and SIGTERM (turned into KeyboardInterrupt)."""
-    previous = None
+    and stop them all on any exit: errors, Ctrl-C, SIGTERM and SIGHUP (a closed terminal; both
+    turned into KeyboardInterrupt)."""
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _sigterm)
+        previous = {signum: signal.signal(signum, _sigterm) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         errors: list[BaseException] = []
 
@@ -73,8 +74,8 @@ def running(processes: Sequence[Any]) -> Iterator[None]:
     finally:
         for process in processes:
             process.stop()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _sigterm(signum: int, frame: Any) -> None:
