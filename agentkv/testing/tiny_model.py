@@ -22,12 +22,14 @@ CLI: ``python -m agentkv.testing.tiny_model DIR [--seed N] [--vocab-size N]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import random
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -259,6 +261,9 @@ def build_tiny_model(directory: str | Path, *, seed: int = 0, vocab_size: int = 
     return build_llama(directory, TINY_SHAPE, seed=seed, vocab_size=vocab_size)
 
 
+_STALE_BUILD_SECONDS = 3600.0
+
+
 def build_llama(directory: str | Path, shape: ModelShape, *, seed: int = 0, vocab_size: int = 4096) -> Path:
     """Build (once) a random Llama of ``shape`` plus the tokenizer in ``directory``; return its path.
 
@@ -270,6 +275,12 @@ def build_llama(directory: str | Path, shape: ModelShape, *, seed: int = 0, voca
     if complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # a build killed before its ``finally`` (SIGTERM, SIGKILL) leaves its directory: an hour on,
+    # no build of this machine's is still writing it
+    for left in target.parent.glob(f".{target.name}.tmp-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - left.stat().st_mtime > _STALE_BUILD_SECONDS:
+                shutil.rmtree(left, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _build_into(tmp, seed, vocab_size, shape)
