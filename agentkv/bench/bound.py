@@ -154,8 +154,10 @@ def _lru(trace: Trace, capacity: int, counted: Sequence[bool]) -> int:
 def _belady(trace: Trace, capacity: int, counted: Sequence[bool]) -> int:
     """Hit tokens under Belady: at each eviction, the cached block whose next use is furthest.
 
-    Invariant: every cached block has a heap entry (-next use, key) with its current next use;
-    entries left behind when a block was used again are skipped when they surface.
+    Invariant: every cached block has a heap entry (-next use, -depth, key) with its current
+    next use; entries left behind when a block was used again are skipped when they surface.
+    Of blocks next used together, the deepest go first (a child before its parent: a prefix
+    without its parent is never hit).
     """
     uses: dict[str, list[int]] = defaultdict(list)
     for index, request in enumerate(trace.requests):
@@ -163,18 +165,18 @@ def _belady(trace: Trace, capacity: int, counted: Sequence[bool]) -> int:
             uses[key].append(index)
     never = len(trace.requests)
     cache: dict[str, int] = {}  # key -> its next use
-    heap: list[tuple[int, str]] = []
+    heap: list[tuple[int, int, str]] = []
     hits = 0
     for index, (request, count) in enumerate(zip(trace.requests, counted, strict=True)):
         if count:
             hits += _hit_tokens(request, _cached_prefix(request.blocks, cache), trace.block_size)
-        for key in request.blocks:
+        for depth, key in enumerate(request.blocks):
             times = uses[key]
             position = bisect.bisect_right(times, index)
             cache[key] = times[position] if position < len(times) else never
-            heapq.heappush(heap, (-cache[key], key))
+            heapq.heappush(heap, (-cache[key], -depth, key))
         while len(cache) > capacity:
-            negative, key = heapq.heappop(heap)
+            negative, _, key = heapq.heappop(heap)
             if cache.get(key) == -negative:
                 del cache[key]
     return hits

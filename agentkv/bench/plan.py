@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vllm.utils.hashing import sha256
@@ -41,6 +41,7 @@ class TapePlan:
         self.hashes: dict[str, list[BlockHash]] = {}
         self.anchor_spans: list[list[tuple[int, int]]] = []
         self.kind_of_hash: dict[bytes, str] = {}
+        self.depth_of_hash: dict[bytes, int] = {}  # the block's position in its prompt
         self.uses: dict[bytes, list[int]] = {}
         for index, request in enumerate(self.requests):
             prompt = self.tokens_of(request.segments)
@@ -59,17 +60,33 @@ class TapePlan:
                 if block_hash not in self.kind_of_hash:
                     inside = any(lo <= b * bs and (b + 1) * bs <= hi for lo, hi in spans)
                     self.kind_of_hash[block_hash] = "anchor" if inside else "history"
+                    self.depth_of_hash[block_hash] = b  # a chained hash: the same depth in every prompt
             for block_hash in hashes[: len(prompt) // bs]:
                 self.uses.setdefault(block_hash, []).append(index)
+        # Each conversation is a chain of requests, each arriving after the previous one's answer
+        # (and tool gap): by the tape's own session ids (two that sanitize alike are two chains), a
+        # session id used again with ``parent: ""`` starting a new conversation (docs/tapes.md),
+        # unless it continues the session's first dispatch (its tool loop).
         self.next_in_session: list[int | None] = [None] * len(self.requests)
+        self.conversation_starts: list[int] = []
         last: dict[str, int] = {}
-        for index, request in enumerate(self.requests):
-            if request.session in last:
-                self.next_in_session[last[request.session]] = index
-            last[request.session] = index
+        for index, (original, request) in enumerate(zip(tape.requests, self.requests, strict=True)):
+            previous = last.get(original.session)
+            if previous is None or (request.parent == "" and not self._continues(previous, request)):
+                self.conversation_starts.append(index)
+            else:
+                self.next_in_session[previous] = index
+            last[original.session] = index
         self.max_request_blocks = max(-(-(len(p) + len(o)) // bs) for p, o in zip(self.prompts, self.outputs,
                                                                                      strict=True))
         self.anchor_blocks = sum(1 for kind in self.kind_of_hash.values() if kind == "anchor")
+
+    def _continues(self, previous: int, request: TapeRequest) -> bool:
+        """Whether ``request`` (``parent: ""``) continues the session's first dispatch, which request
+        ``previous`` of its session belongs to (a tool loop: the same agent and step)."""
+        before = self.requests[previous]
+        return (not before.abandoned and before.parent == "" and before.agent == request.agent
+                and before.step == request.step)
 
     # -- tokens and hashes -------------------------------------------------------------
 
@@ -97,9 +114,11 @@ class TapePlan:
             parent = block_hash
         return out
 
-    def register(self, request_id: str, tokens: list[int]) -> None:
-        """Precompute the block hashes of an extra request (a warm-up)."""
-        self.hashes[request_id] = self._hash_chain(tokens)
+    def extra_hasher(self, tokens: list[int]) -> Callable[[Request], list[BlockHash]]:
+        """vLLM block_hasher of an extra request (a warm-up) of ``tokens``: kept apart from the tape's
+        requests' (whose ids may be anything, ``warmup-1`` too)."""
+        hashes = self._hash_chain(tokens)
+        return lambda request: hashes[len(request.block_hashes) : request.num_tokens // self.block_size]
 
     def hasher(self, request: Request) -> list[BlockHash]:
         """vLLM block_hasher: the request's new full-block hashes, precomputed."""

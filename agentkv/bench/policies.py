@@ -169,6 +169,7 @@ def _all_pairs_hops(graph: dict[str, set[str]]) -> dict[str, dict[str, int]]:
 # -- L3: Belady ---------------------------------------------------------------------------
 
 _NEVER = math.inf
+_DEPTH_SHARE = 1e-7  # x a block's depth (< 1e5 blocks): orders one request's blocks, never two requests'
 
 
 class Belady(ScoredPolicy):
@@ -176,9 +177,11 @@ class Belady(ScoredPolicy):
 
     "Use" = a later foreground request of the tape whose prompt contains the block's hash
     (requests start in tape order, so the order of future uses is policy-independent).
-    Score = -index of the next use (-inf: never used again). A parent's next use is never
-    after its child's, so chains are evicted child first. A free block whose predicted use
-    has passed (its parent was missing, so the lookup never reached it) is re-queued with
+    Score = -index of the next use (-inf: never used again), less a tiny share of the block's
+    depth in its prompt: a parent's next use is never after its child's, and of blocks next
+    used by the same request the deeper go first, so chains are evicted child first (also
+    after a re-queue, which appends blocks in no chain order). A free block whose predicted
+    use has passed (its parent was missing, so the lookup never reached it) is re-queued with
     its next use recomputed.
     """
 
@@ -187,6 +190,7 @@ class Belady(ScoredPolicy):
 
     def install(self, sim: Simulator) -> None:
         self.uses = sim.plan.uses  # hash -> sorted indices of the requests whose prompt holds it
+        self.depth = sim.plan.depth_of_hash
         self.pending: dict[int, list[tuple[KVCacheBlock, bytes]]] = {}
         super().install(sim)
 
@@ -199,10 +203,12 @@ class Belady(ScoredPolicy):
 
     def group_of(self, block: KVCacheBlock) -> Hashable:
         assert block.block_hash is not None
-        use = self._next_use(get_block_hash(block.block_hash))
-        if use != _NEVER:
-            self.pending.setdefault(int(use), []).append((block, block.block_hash))
-        return use
+        block_hash = get_block_hash(block.block_hash)
+        use = self._next_use(block_hash)
+        if use == _NEVER:
+            return use
+        self.pending.setdefault(int(use), []).append((block, block.block_hash))
+        return use + self.depth.get(block_hash, 0) * _DEPTH_SHARE
 
     def score(self, use: Hashable) -> float:
         return -use  # type: ignore[operator]
@@ -303,6 +309,7 @@ class AgentKV(Policy):
             assert prediction is not None
             blocks = sum(n for _, n in self.anchors.get(prediction.agent, ())) // sim.plan.block_size
             view = view_of(self.runtime.view())  # the document GET /agentkv/v1/view serves the coordinator
+            # running: unknown, so no price (``costly``): a warm-up's prefill delays no request here
             return TargetState(blocks, view.resident(prediction.agent, blocks), float(sim.waiting()), None,
                                sim.pool.get_num_free_blocks())
 

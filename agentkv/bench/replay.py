@@ -155,11 +155,8 @@ class Replay:
     def run(self) -> ReplayResult:
         started = time.perf_counter()
         self.policy.install(self)
-        seen: set[str] = set()
-        for index, request in enumerate(self.plan.requests):
-            if request.session not in seen:
-                seen.add(request.session)
-                self._push(request.t, _ARRIVE, index)
+        for index in self.plan.conversation_starts:
+            self._push(self.plan.requests[index].t, _ARRIVE, index)
         while self._events:
             at, _, kind, payload = heapq.heappop(self._events)
             self.now = at
@@ -273,11 +270,12 @@ class Replay:
         """
         self._warmup_ids += 1
         request_id = f"warmup-{self._warmup_ids}"
+        while request_id in self.plan.hashes:  # a tape request's id (the manager keys requests by id)
+            request_id += "'"
         tokens = self.plan.tokens_of(segments)
-        self.plan.register(request_id, tokens)
         tag = AgentTag(agent, warmup=True).to_xargs()
         request = Request(request_id, tokens, SamplingParams(max_tokens=1, extra_args=tag), None,
-                          arrival_time=self.now, block_hasher=self.plan.hasher)
+                          arrival_time=self.now, block_hasher=self.plan.extra_hasher(tokens))
         add_request(request)
         self.policy.before_schedule(self)
         computed, hit, _ = self.kv.get_computed_blocks(request)
@@ -298,10 +296,8 @@ def time_model_of(tape: Tape) -> TimeModel:
     raw = tape.header.get("workload", {}).get("time_model")
     if not isinstance(raw, dict):
         return TimeModel()
-    try:
-        model = TimeModel(**raw)
-    except TypeError as exc:
-        raise TapeError(f"workload.time_model: {exc}") from None
+    known = {name: raw[name] for name in ("prefill_tps", "tpot", "overhead") if name in raw}  # others: ignored
+    model = TimeModel(**known)
     values = (model.prefill_tps, model.tpot, model.overhead)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values) \
             or model.prefill_tps <= 0 or model.tpot < 0 or model.overhead < 0:

@@ -18,6 +18,9 @@ TARGETS: dict[str, dict[str, float]] = {
 AGENTKV_VARIANTS = ("agentkv", "agentkv+facts", "agentkv+warmup")
 
 
+MIN_HEADROOM = 1.0  # points of hit rate between lru and belady (mean) below which no gap share is given
+
+
 def _pct(value: float) -> str:
     return f"{100 * value:.1f}"
 
@@ -34,7 +37,8 @@ def _stats(cells: dict, name: str, variant: str, capacities: Sequence[int]) -> d
     lru = [100 * cells[name, c, "lru"]["hit_rate"] for c in capacities]
     return {"gain": round(sum(gains) / len(gains), 2), "min_gain": round(min(gains), 2),
             "headroom": round(sum(heads) / len(heads), 2),
-            "closed": round(sum(gains) / sum(heads), 3) if sum(heads) > 0 else None,
+            # a share of almost no headroom is noise (-1300% of 0.1 points): not given
+            "closed": round(sum(gains) / sum(heads), 3) if sum(heads) >= MIN_HEADROOM * len(heads) else None,
             "spread": round(max(rates) - min(rates), 2), "lru_spread": round(max(lru) - min(lru), 2)}
 
 

@@ -147,3 +147,16 @@ def test_skipped_sessions_fill_the_cache_but_are_not_counted(tmp_path, capsys):
         main(["bench", "bound", str(only_warmups), "--skip-sessions", "warmup-"])
     assert exit_info.value.code == 2
     assert "no request outside the sessions starting with 'warmup-'" in capsys.readouterr().out
+
+
+def test_belady_evicts_a_child_before_its_parent_when_both_are_next_used_together(tmp_path):
+    # 2 blocks: a|z, then x fills one slot; a and z are next used together (r3): keeping the
+    # parent a hits it, keeping the child z alone hits nothing (the keys once decided: z < a)
+    path = _write(tmp_path, [
+        _line("r0", ["a", "z"], pool_blocks=2),
+        _line("r1", ["x"], pool_blocks=2),
+        _line("r2", ["x"], hit=BLOCK, pool_blocks=2),
+        _line("r3", ["a", "z"], hit=BLOCK, pool_blocks=2),
+    ])
+    result = bound(read_trace(path))
+    assert result.belady >= result.lru and result.belady == pytest.approx(2 * BLOCK / result.prompt_tokens)
