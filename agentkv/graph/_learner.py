@@ -10,9 +10,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agentkv.protocol import validate_id
+
 from ._entropy import predictability_of_counts, transition_entropy_ratio
 from ._lineage import LearnedTransition, Observation, SessionLineage
 from ._peers import PeerCounts, PeerExport
+
+# A restored learner's counts in all: far beyond what any server learns (a decayed learner holds a
+# few thousand per part), far below where sums overflow.
+_MAX_TOTAL_WEIGHT = 1e15
 
 __all__ = ["LearnerConfig", "Observation", "TransitionLearner", "transition_entropy_ratio"]
 
@@ -435,8 +441,13 @@ class TransitionLearner:
         ``interposed`` may be absent (state written before it was learned): zeros.
         """
         agents = state["agents"]
-        if not isinstance(agents, list) or len(set(agents)) != len(agents):
+        if not isinstance(agents, list) or len(set(map(str, agents))) != len(agents):
             raise ValueError("agents must be a list of distinct names")
+        for name in agents:  # as the wire admits them (stats, /metrics and every peer read them)
+            validate_id(name, "agent")
+        tallies = [state.get(key, 0) for key in ("dispatches", "predictions", "correct")]
+        if not all(type(n) is int and 0 <= n < 2**62 for n in tallies):
+            raise ValueError("dispatches, predictions and correct must be integers in [0, 2**62)")
         n = len(agents)
         counts = np.asarray(state["counts"], dtype=float)
         entry = np.asarray(state["entry"], dtype=float)
@@ -449,6 +460,8 @@ class TransitionLearner:
         arrays = (counts, entry, ends, interposed)
         if not all(np.isfinite(a).all() and (a >= 0).all() for a in arrays):
             raise ValueError("counts must be finite and non-negative")
+        if not sum(float(a.sum()) for a in arrays) <= _MAX_TOTAL_WEIGHT:  # sums would overflow the model
+            raise ValueError(f"counts must total at most {_MAX_TOTAL_WEIGHT:g}")
         fresh = TransitionLearner(self.config, clock=self.clock)
         for name in agents:
             fresh._intern(name)
@@ -458,9 +471,7 @@ class TransitionLearner:
         fresh._interposed[:n] = interposed
         for row in range(n):
             fresh._recompute_best(row)
-        fresh._dispatches = int(state.get("dispatches", 0))  # type: ignore[call-overload]
-        fresh._predictions = int(state.get("predictions", 0))  # type: ignore[call-overload]
-        fresh._correct = int(state.get("correct", 0))  # type: ignore[call-overload]
+        fresh._dispatches, fresh._predictions, fresh._correct = tallies
         version = self.version + 1
         self.__dict__.update(fresh.__dict__)
         self.version = version

@@ -18,6 +18,7 @@ __all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "SnapshotError", "load_snapsho
 
 SNAPSHOT_FORMAT = "agentkv.learned-state"
 SNAPSHOT_VERSION = 1
+MAX_SNAPSHOT_BYTES = 64 * 2**20  # 256 agents' counts take ~1.5 MB
 
 logger = logging.getLogger("agentkv.graph")
 
@@ -71,10 +72,17 @@ def load_snapshot(
     path: str | os.PathLike[str], config: LearnerConfig | None = None
 ) -> tuple[TransitionLearner, GraphFacts]:
     """Read a snapshot written by save_snapshot; raise SnapshotError with the reason otherwise."""
+    file = Path(path)
+    if not file.is_file():  # a FIFO or a device would block the server's start
+        raise SnapshotError(f"snapshot {path} is not a regular file")
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SnapshotError(f"cannot read snapshot {path}: {exc}") from exc
+        if file.stat().st_size > MAX_SNAPSHOT_BYTES:
+            raise SnapshotError(f"snapshot {path} is larger than {MAX_SNAPSHOT_BYTES} bytes")
+        document = json.loads(file.read_text(encoding="utf-8"))
+    except SnapshotError:
+        raise
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not UTF-8, not JSON, a huge integer
+        raise SnapshotError(f"cannot read snapshot {path}: {exc!r}"[:500]) from exc
     if not isinstance(document, dict) or document.get("format") != SNAPSHOT_FORMAT:
         raise SnapshotError(f"{path} is not an agentkv snapshot (format {SNAPSHOT_FORMAT!r} expected)")
     if document.get("version") != SNAPSHOT_VERSION:
@@ -93,8 +101,8 @@ def load_snapshot(
                 [tuple(e) for e in recorded["conditional_edges"]],
                 recorded["entry"],
             )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SnapshotError(f"{path} is corrupt: {exc!r}") from exc
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise SnapshotError(f"{path} is corrupt: {exc!r}"[:500]) from exc
     return learner, facts
 
 

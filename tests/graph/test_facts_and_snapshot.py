@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -86,6 +87,10 @@ def test_snapshot_round_trip(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["learned.json"]  # no temp files left
 
 
+_LEARNER = ('{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": %s, "counts": %s, '
+            '"entry": %s, "ends": %s, "dispatches": %s}}')
+
+
 @pytest.mark.parametrize(
     ("content", "reason"),
     [
@@ -98,6 +103,14 @@ def test_snapshot_round_trip(tmp_path):
             '{"agents": ["a", "b"], "counts": [[0, -1], [0, 0]], "entry": [0, 0], "ends": [0, 0]}}',
             "non-negative",
         ),
+        # each of these crashed the server's start, or its first tagged request, or its stats
+        (_LEARNER % ('["a"]', "[[0]]", "[0]", "[0]", "Infinity"), "integers"),
+        (_LEARNER % ('["a"]', "[[0]]", "[0]", "[0]", "100000000000000000000"), "integers"),
+        (_LEARNER % ('["a"]', "[[0]]", "[0]", "[0]", "1" * 5000), "cannot read"),
+        (_LEARNER % ("[1]", "[[0]]", "[0]", "[0]", "0"), "must be a string"),
+        (_LEARNER % ('["a b"]', "[[0]]", "[0]", "[0]", "0"), "agent"),
+        (_LEARNER % ('["a"]', "[[1e300]]", "[1e300]", "[0]", "0"), "total at most"),
+        ("[" * 200_000 + "]" * 200_000, "cannot read"),
     ],
 )
 def test_bad_snapshots_are_refused_with_a_reason(tmp_path, content, reason):
@@ -119,6 +132,13 @@ def test_restore_or_fresh_starts_fresh_and_says_why(tmp_path, caplog):
     assert str(kept) in caplog.text
     learner, _ = restore_or_fresh(tmp_path / "missing.json")
     assert learner.agents == []
+
+
+def test_a_snapshot_path_that_is_no_regular_file_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "learned.json"
+    os.mkfifo(fifo)  # reading it would block the server's start until someone writes
+    with pytest.raises(SnapshotError, match="not a regular file"):
+        load_snapshot(fifo)
 
 
 def test_snapshot_larger_than_max_agents_is_refused(tmp_path):
