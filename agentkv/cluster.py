@@ -75,12 +75,14 @@ class ClusterConfig:
         # vLLM takes --flag=value as well as --flag value: one form to read
         self.vllm_args = [part for arg in self.vllm_args
                           for part in (arg.split("=", 1) if arg.startswith("--") and "=" in arg else (arg,))]
+        # --agentkv_snapshot is --agentkv-snapshot to ``agentkv serve``, as to vLLM
+        flags = {arg.replace("_", "-") if arg.startswith("--") else arg for arg in self.vllm_args}
         if {"--host", "--port"} & set(self.vllm_args):
             raise ValueError("the cluster picks each replica's --host and --port itself")
         inherited = {k: v for k, v in os.environ.items() if not (self.isolated and k.startswith(ISOLATED_PREFIXES))}
         env = {**inherited, **self.env}
         shared = [flag for flag, name in _ONE_PER_SERVER.items()
-                  if flag in self.vllm_args or (env.get(name, "").strip() and not self.vanilla)]
+                  if flag in flags or (env.get(name, "").strip() and not self.vanilla)]
         if shared and self.replicas > 1:
             raise ValueError(f"{' and '.join(shared)} would be one file for {self.replicas} replicas "
                              f"(unset {', '.join(_ONE_PER_SERVER[flag] for flag in shared)} for the cluster)")

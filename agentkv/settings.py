@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from agentkv.protocol import ProtocolError, validate_id
+
 __all__ = ["MAX_HORIZON", "SETTINGS", "Setting", "SettingError", "env_number", "env_switch", "env_text"]
 
 MAX_HORIZON = 128  # dispatches a fixed K may look ahead (a table of K x agents^2 is rebuilt every refresh)
@@ -57,6 +59,14 @@ def _text(raw: str) -> str:
     if not raw.strip():
         raise ValueError("takes a non-empty value")
     return raw
+
+
+def _wire_id(raw: str) -> str:
+    """A name the peers take (protocol §1.3): a replica's exported state names it."""
+    try:
+        return validate_id(raw.strip(), "replica")
+    except ProtocolError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _urls(raw: str) -> str:
@@ -146,8 +156,8 @@ SETTINGS: tuple[Setting, ...] = (
             "are merged", _urls),
     Setting("sync-interval", "AGENTKV_SYNC_INTERVAL", "SECONDS", "5", "seconds between pulls from the peers",
             _number(float, 0, above=True)),
-    Setting("replica", "AGENTKV_REPLICA", "NAME", "host-pid", "this replica's name in exported learned state",
-            _text),
+    Setting("replica", "AGENTKV_REPLICA", "NAME", "host-pid", "this replica's name in exported learned state "
+            "(letters, digits, ._:@/-)", _wire_id),
     Setting("control", "AGENTKV_CONTROL", "ENDPOINT", "a fresh ipc socket", "ZMQ endpoint between the API "
             "server and the EngineCore", _text),
     Setting("allow-lru-fallback", "AGENTKV_ALLOW_LRU_FALLBACK", "on|off", "off", "on: on an unsupported "

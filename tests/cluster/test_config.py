@@ -34,6 +34,8 @@ def test_config_refuses_what_cannot_run():
 def test_replicas_never_share_one_snapshot_or_trace_file(monkeypatch):
     with pytest.raises(ValueError, match="--agentkv-snapshot would be one file for 2 replicas"):
         ClusterConfig("m", vllm_args=[*ARGS, "--agentkv-snapshot=/tmp/s.json"])
+    with pytest.raises(ValueError, match="--agentkv-snapshot would be one file"):  # agentkv serve reads it alike
+        ClusterConfig("m", vllm_args=[*ARGS, "--agentkv_snapshot", "/tmp/s.json"])
     monkeypatch.setenv("AGENTKV_TRACE", "/tmp/t.jsonl")
     with pytest.raises(ValueError, match=r"--agentkv-trace would be one file for 3 replicas \(unset AGENTKV_TRACE"):
         ClusterConfig("m", vllm_args=ARGS, replicas=3)

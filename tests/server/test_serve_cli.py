@@ -51,6 +51,9 @@ def test_help_lists_every_setting_with_its_variable_and_default():
     (["--agentkv-snapshot"], {}, "--agentkv-snapshot needs a value (PATH)"),
     ([], {"AGENTKV_SYNC_INTERVAL": "0"}, "AGENTKV_SYNC_INTERVAL takes a number > 0, not '0'"),
     ([], {"AGENTKV_STATS_TOP_AGENTS": "many"}, "AGENTKV_STATS_TOP_AGENTS takes an integer >= 1, not 'many'"),
+    # every peer refused the state of a replica so named
+    (["--agentkv-replica", "decode pod 1"], {}, "--agentkv-replica replica: must be 1-128 characters of "
+                                                 "[A-Za-z0-9._:@/-], not 'decode pod 1'"),
 ])
 def test_a_refused_value_exits_2_with_the_reason(args, env, message):
     run = _agentkv("serve", "some-model", *args, env=env)
