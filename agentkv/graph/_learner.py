@@ -352,14 +352,21 @@ class TransitionLearner:
     def export_counts(self, replica: str, epoch: str) -> PeerExport:
         """This learner's own counts (never what it merged from peers), for other replicas."""
         counts, entry, ends, interposed = self._own()
-        return PeerExport(replica, epoch, self.version, tuple(self._names), counts, entry, ends, interposed)
+        # agents with counts only: a name kept in a slot and nothing learned would come back from
+        # every peer as new, and take the slot of an agent this replica serves
+        held = counts.sum(axis=0) + counts.sum(axis=1) + entry + ends + interposed > 0
+        names = tuple(name for name, kept in zip(self._names, held, strict=True) if kept)
+        return PeerExport(replica, epoch, self.version, names, counts[held][:, held], entry[held], ends[held],
+                          interposed[held])
 
     def merge_peer(self, export: PeerExport) -> bool:
-        """Take another replica's latest counts into the model; False if stale or a replay."""
+        """Take another replica's latest counts into the model; False if stale or a replay. A peer's
+        agent takes a free slot only: never one of an agent this replica learned."""
         if not self.peers.merge(export):
             return False
         for agent in export.agents:
-            self._intern(agent)
+            if agent in self._index or len(self._names) < self.config.max_agents:
+                self._intern(agent)
         self.version += 1
         return True
 

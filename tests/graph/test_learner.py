@@ -307,15 +307,25 @@ def test_interposed_counts_survive_export_import_and_merge_with_peers(tmp_path):
     assert learner.interposed_counts().tolist() == [0.0, 4.0, 0.0, 0.0]
 
 
-def test_a_peers_agents_each_take_their_own_stale_slot_when_the_table_is_full():
-    """A recycled slot is stamped as seen: interning a peer's agents one after the other used to
-    recycle the same stale slot each time, keeping only the last of them."""
+def test_a_peers_agents_take_free_slots_only_never_a_local_agents():
+    """A peer's agents each take a free slot of their own (interning them one after the other used
+    to give every one the same slot); once the table is full, the rest take none: a merge used to
+    evict the agents this replica serves (one peer of 256 names emptied it)."""
     learner = TransitionLearner(LearnerConfig(max_agents=8), clock=lambda: 0.0)
-    for i in range(8):
+    for i in range(6):
         learner.observe(f"local{i}", session=f"s{i}", parent="", now=0.0)
     peers = tuple(f"peer{i}" for i in range(4))
     counts = np.ones((4, 4))
     assert learner.merge_peer(PeerExport("r2", "e1", 1, peers, counts, np.ones(4), np.zeros(4), np.zeros(4)))
-    assert set(peers) <= set(learner.agents)
-    assert learner.agents[4:] == [f"local{i}" for i in range(4, 8)]  # the least recently seen went
-    assert learner.counts().sum() == pytest.approx(counts.sum())
+    assert learner.agents == [*(f"local{i}" for i in range(6)), "peer0", "peer1"]
+    assert learner.counts().sum() == pytest.approx(4.0)  # the peer's counts among the agents known here
+
+
+def test_an_agent_with_nothing_learned_is_not_exported():
+    # a name in a slot with no counts would come back from every peer as new, again and again
+    learner = TransitionLearner(LearnerConfig(max_agents=8), clock=lambda: 0.0)
+    learner.observe("a", session="s", parent="", now=0.0)
+    learner.observe("b", session="s", now=0.0)
+    peer = PeerExport("r2", "e1", 1, ("z",), np.zeros((1, 1)), np.zeros(1), np.zeros(1), np.zeros(1))
+    assert learner.merge_peer(peer) and "z" in learner.agents
+    assert learner.export_counts("r1", "e1").agents == ("a", "b")
