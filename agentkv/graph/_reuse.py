@@ -62,6 +62,10 @@ class Uncached(NamedTuple):
     """Free blocks whose prefix-cache hash was dropped while they waited (a prefix-cache reset, a
     KV connector's invalidation): no request can hit them, so they are recycled first."""
 
+    # a tuple of its own: without a field it would be ``()``, equal to ``Untagged()`` (one key of
+    # the queue's groups, scored as whichever came first)
+    uncached: None = None
+
 
 UNTAGGED = Untagged()
 UNCACHED = Uncached()

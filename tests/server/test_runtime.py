@@ -119,6 +119,40 @@ def test_after_a_prefix_cache_reset_the_anchors_are_kept_as_on_a_fresh_pool():
     assert runtime.stats()["evictions"]["anchor"] == evicted == 0
 
 
+@pytest.mark.parametrize("untagged_first", [False, True])
+def test_a_reset_beside_untagged_blocks_keeps_each_where_it_belongs(untagged_first):
+    """Uncached and untagged blocks are two groups (their keys were one, ``()``, scored as whichever
+    came first): a reset with an untagged block free still recycles the dropped blocks first, and
+    an untagged prompt cached after one is kept as vanilla keeps it, under LRU too."""
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))
+    runtime.install(kv)
+    replay(kv, runtime, 6)
+    if untagged_first:
+        run(kv, runtime, request([*range(7_000_000, 7_000_000 + 2 * BS), 1], None))  # a health check
+    assert kv.reset_prefix_cache()
+    hits = replay(kv, runtime, 6, first=6)
+    assert [hit for session, _, hit in hits if session != "s6"] == [ANCHOR_BLOCKS * BS] * 20
+    # the other way round, on a fresh pool under plain LRU: an untagged prompt after a reset
+    hit = {}
+    for name, config in (("vanilla", None), ("agentkv", RuntimeConfig(reuse=ReuseConfig(r_min=1.0),
+                                                                          refresh_interval=0.0))):
+        kv = manager(40)
+        lru = None if config is None else AgentKVRuntime(config)
+        if lru is not None:
+            lru.install(kv)
+        run(kv, lru, request([*range(1000, 1000 + 6 * BS), 1], AgentTag("a", "s1", "")))
+        assert kv.reset_prefix_cache()
+        run(kv, lru, request([*range(2000, 2000 + 4 * BS), 1], AgentTag("a", "s2", "")))
+        untagged = [*range(3000, 3000 + 4 * BS), 1]
+        run(kv, lru, request(untagged, None))
+        pool = kv.block_pool
+        hashless = sum(b.block_hash is None for b in pool.free_block_queue.get_all_free_blocks())
+        pool.free_blocks(pool.get_new_blocks(hashless + 4))  # another request's 4 blocks
+        hit[name] = run(kv, lru, request(untagged, None))
+    assert hit["agentkv"] == hit["vanilla"] == 4 * BS
+
+
 def test_blocks_a_kv_connector_invalidates_are_recycled_before_any_cached_block():
     kv = manager(NUM_BLOCKS)
     runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))
