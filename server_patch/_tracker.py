@@ -61,7 +61,8 @@ def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) 
 
 
 class BlockTracker:
-    """Maps block_id -> eviction group for blocks cached or hit by tagged requests.
+    """Maps block_id -> eviction group for blocks cached or hit by tagged requests (and what an
+    untagged request caches beyond a tracked block: the group of the block it extends).
 
     Invariant: an entry describes the block's current content. Newly cached blocks
     replace whatever the id held before (``cached``); prefix hits merge into it (``hit``).
@@ -94,8 +95,16 @@ class BlockTracker:
         """A request's ``blocks[start:end]`` were newly cached (at those positions of its prompt)."""
         groups = self._group
         if tag is None:
+            # an untagged request that extends a tracked prefix: its blocks take the group of the
+            # block they extend, so that the queue evicts them first (as children of a group go
+            # first); untagged, they could outscore it and be left cached behind an evicted parent
+            extended = groups.get(blocks[start - 1].block_id) if start > 0 else None
             for position in range(start, end):
-                groups.pop(blocks[position].block_id, None)
+                block = blocks[position]
+                if extended is None or block.is_null:
+                    groups.pop(block.block_id, None)
+                else:
+                    groups[block.block_id] = extended
             return
         # a new block's group depends only on whether it lies in the anchor: two groups per request
         split = min(max(start, anchor_blocks), end)

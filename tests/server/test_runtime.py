@@ -153,6 +153,28 @@ def test_a_reset_beside_untagged_blocks_keeps_each_where_it_belongs(untagged_fir
     assert hit["agentkv"] == hit["vanilla"] == 4 * BS
 
 
+@pytest.mark.parametrize("recognize", [True, False])
+def test_an_untagged_call_extending_an_ended_session_is_evicted_child_first(recognize):
+    """An untagged request continues a session that ended: its new blocks join the session's
+    (retired) history, so the queue evicts them before the prefix they extend. Untagged, they
+    outscored it: the prefix went first and they were left cached, unreachable."""
+    hits = {}
+    for name, config in (("vanilla", None), ("agentkv", RuntimeConfig(refresh_interval=0.0, recognize=recognize))):
+        kv = manager(40)
+        runtime = None if config is None else AgentKVRuntime(config, clock=lambda: 0.0)
+        if runtime is not None:
+            runtime.install(kv)
+        conversation = list(range(1000, 1000 + 8 * BS))
+        run(kv, runtime, request([*conversation, 1], AgentTag("a", "s1", "", 0)))
+        if runtime is not None:
+            runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": "s1"}]})
+        extended = [*conversation, *range(5000, 5000 + 8 * BS)]
+        run(kv, runtime, request([*extended, 2], None))
+        run(kv, runtime, request([*range(90_000, 90_000 + 26 * BS), 3], None))  # pressure
+        hits[name] = run(kv, runtime, request([*extended, 4], None))
+    assert hits["agentkv"] == hits["vanilla"] == 12 * BS
+
+
 def test_blocks_a_kv_connector_invalidates_are_recycled_before_any_cached_block():
     kv = manager(NUM_BLOCKS)
     runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))
