@@ -62,7 +62,7 @@ def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) 
 
 class BlockTracker:
     """Maps block_id -> eviction group for blocks cached or hit by tagged requests (and what an
-    untagged request caches beyond a tracked block: the group of the block it extends).
+    untagged request caches beyond a session's history: that history).
 
     Invariant: an entry describes the block's current content. Newly cached blocks
     replace whatever the id held before (``cached``); prefix hits merge into it (``hit``).
@@ -95,10 +95,13 @@ class BlockTracker:
         """A request's ``blocks[start:end]`` were newly cached (at those positions of its prompt)."""
         groups = self._group
         if tag is None:
-            # an untagged request that extends a tracked prefix: its blocks take the group of the
-            # block they extend, so that the queue evicts them first (as children of a group go
-            # first); untagged, they could outscore it and be left cached behind an evicted parent
+            # an untagged request that continues a session's conversation: its blocks join that
+            # history, so that the queue evicts them first (a group's children go first); untagged,
+            # they could outscore it (an ended session's) and be left cached behind an evicted
+            # parent. Beyond an anchor they stay untagged (at an anchor's value they crowd others out).
             extended = groups.get(blocks[start - 1].block_id) if start > 0 else None
+            if not isinstance(extended, History):
+                extended = None
             for position in range(start, end):
                 block = blocks[position]
                 if extended is None or block.is_null:
