@@ -74,6 +74,7 @@ _XARG_PREFIX = "agentkv_"
 _BACKGROUND = re.compile(rb'"background"\s*:\s*true')
 _MAX_BODY = {"events": 1 << 20, "merge": 4 << 20}  # a 256-agent counts document is ~1.5 MB
 _MAX_AGENTKV_DEPTH = 16  # agentkv's own documents nest at most 4 deep
+_PEER_DEADLINE = 10.0  # seconds for one peer's whole state document (httpx's timeout is per read)
 _MAX_REQUEST_DEPTH = 128  # completion bodies re-encoded here (JSON schemas nest, but not this deep)
 
 
@@ -81,6 +82,18 @@ def _route(scope: Scope) -> str:
     """The request's path as vLLM routes it: without the app's ``--root-path`` prefix."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+async def _pull_state(client: httpx.AsyncClient, peer: str) -> bytes:
+    """A peer's state document, read no further than the merge limit."""
+    async with client.stream("GET", peer + STATE_PATH) as response:
+        response.raise_for_status()
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > _MAX_BODY["merge"]:
+                raise ValueError(f"state document larger than {_MAX_BODY['merge']} bytes")
+    return bytes(body)
 
 
 def _vllm_session(pairs: list[tuple[str, str]], document: dict[str, Any], xargs: dict[str, Any] | None,
@@ -306,27 +319,30 @@ class AgentKVMiddleware:
             await _json(send, 200, reply)
 
     async def _sync_forever(self) -> None:
-        """Pull every peer's own counts and merge them into this replica's engine."""
+        """Pull every peer's own counts and merge them into this replica's engine, each peer in a loop
+        of its own: one slow or endless peer delays none of the others, nor itself past ``_PEER_DEADLINE``."""
         key = os.environ.get("AGENTKV_PEER_API_KEY") or next(iter(self._guard.tokens if self._guard else ()), "")
         headers = {"Authorization": f"Bearer {key}"} if key else None
         async with httpx.AsyncClient(timeout=2.0, trust_env=False, headers=headers) as client:
-            while True:
-                for peer in self.peers:
-                    try:
-                        response = await client.get(peer + STATE_PATH)
-                        response.raise_for_status()
-                        if len(response.content) > _MAX_BODY["merge"]:
-                            raise ValueError(f"state document larger than {_MAX_BODY['merge']} bytes")
-                        payload = parse_json(response.content, what="state", max_depth=_MAX_AGENTKV_DEPTH)
-                        reply = await ask(self.endpoint, {"op": "merge", "payload": payload}, self.timeout)
-                        if "error" in reply:
-                            raise ValueError(reply["error"])
-                    except Exception as exc:  # any peer's failure (a bad URL too) is counted; the others go on
-                        if not self.sync_failures[peer]:
-                            logger.warning("agentkv: cannot merge learned counts from %s (%s); retrying, "
-                                           "further failures are only counted", peer, exc)
-                        self.sync_failures[peer] += 1
-                await asyncio.sleep(self.sync_interval)
+            await asyncio.gather(*(self._sync_peer(client, peer) for peer in self.peers))
+
+    async def _sync_peer(self, client: httpx.AsyncClient, peer: str) -> None:
+        while True:
+            await self._sync_once(client, peer)
+            await asyncio.sleep(self.sync_interval)
+
+    async def _sync_once(self, client: httpx.AsyncClient, peer: str) -> None:
+        try:
+            content = await asyncio.wait_for(_pull_state(client, peer), _PEER_DEADLINE)
+            payload = parse_json(content, what="state", max_depth=_MAX_AGENTKV_DEPTH)
+            reply = await ask(self.endpoint, {"op": "merge", "payload": payload}, self.timeout)
+            if "error" in reply:
+                raise ValueError(reply["error"])
+        except Exception as exc:  # any peer's failure (a bad URL, a stall too) is counted; the others go on
+            if not self.sync_failures[peer]:
+                logger.warning("agentkv: cannot merge learned counts from %s (%r); retrying, "
+                               "further failures are only counted", peer, exc)
+            self.sync_failures[peer] += 1
 
     async def _relay_body(self, receive: Receive, send: Send, op: str) -> None:
         """Relay a JSON request body to the engine as ``{"op": op, "payload": body}``."""

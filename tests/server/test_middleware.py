@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import threading
 
 import httpx
 import pytest
@@ -387,3 +389,55 @@ async def test_a_peer_url_httpx_cannot_use_is_counted_and_the_others_are_still_p
         assert not task.done() and middleware.sync_failures[bad] >= 2 and middleware.sync_failures[gone] >= 2
     finally:
         task.cancel()
+
+
+class _Peer(http.server.ThreadingHTTPServer):
+    """A replica on loopback: ``slow`` sends its state one byte every 0.2 s (never done); else 404."""
+
+    daemon_threads = True
+
+    def __init__(self, slow: bool) -> None:
+        self.slow, self.hits, self.stop = slow, 0, threading.Event()
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                peer.hits += 1
+                self.send_response(200 if peer.slow else 404)
+                self.send_header("Content-Length", str(1 << 20 if peer.slow else 0))
+                self.end_headers()
+                while peer.slow and not peer.stop.wait(0.2):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.shutdown()
+        self.server_close()
+
+
+async def test_a_peer_that_never_finishes_its_answer_holds_up_no_other(runtime_endpoint, monkeypatch):
+    """httpx's timeout is per read: a peer dribbling its state held every other peer's pull (and
+    grew memory) without end; now each peer is pulled beside the others, within a deadline."""
+    monkeypatch.setenv("AGENTKV_SYNC_INTERVAL", "0.05")
+    middleware = AgentKVMiddleware(echo_app)
+    slow, fast = _Peer(slow=True), _Peer(slow=False)
+    middleware.peers = [slow.url, fast.url]
+    task = asyncio.create_task(middleware._sync_forever())
+    try:
+        await asyncio.sleep(1.5)
+        assert fast.hits >= 5 and middleware.sync_failures[fast.url] >= 5
+    finally:
+        task.cancel()
+        slow.close()
+        fast.close()
