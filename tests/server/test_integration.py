@@ -83,7 +83,10 @@ def test_anchor_of_the_returning_agent_survives_only_with_agentkv(vanilla_server
     stats = snapshot.now()
     assert stats["policy"] == "survival"
     assert set(AGENTS) <= set(stats["agents"])
-    assert stats["transitions"]["supervisor"] == {"coder": pytest.approx(1.0, abs=0.1)}
+    # coder, all but the chain's smoothing, which spreads over every agent the server knows (the
+    # module's other tests add theirs: 0.88 after them)
+    supervisor = stats["transitions"]["supervisor"]
+    assert max(supervisor, key=supervisor.get) == "coder" and supervisor["coder"] >= 0.8
     assert snapshot.delta("sessions", "ended", now=stats) == SESSIONS
     assert snapshot.agent_delta("coder", "hits", now=stats) >= (SESSIONS - 2) * ANCHOR_BLOCKS * BLOCK
     # no anchor evicted, except the third session's supervisor's when that call missed it
@@ -107,10 +110,33 @@ def test_malformed_headers_are_served_untagged_and_counted(own_agentkv_server):
         assert client.post(EVENTS_PATH, content=b"{nope").status_code == 400
 
 
-def test_a_cancel_ends_its_session_and_a_retried_batch_is_applied_once(own_agentkv_server):
-    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
+# The next three tests run on the shared server: a module's own server is for what it learned, and
+# their agents would change the pipeline's learned rows above (their smoothing spreads over more agents).
+
+
+def test_a_body_tag_and_a_session_named_by_x_session_id_are_learned_as_headers_are(agentkv_server):
+    """docs/protocol.md §1: the tag in the body's ``vllm_xargs``, and ``X-Session-ID`` standing in
+    for a missing ``X-AgentKV-Session``: the coder's call joins the planner's session."""
+    snapshot = StatsSnapshot.take(agentkv_server.base_url)
+    with httpx.Client(base_url=agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        for n in range(3):
+            tag = AgentTag("xargs.planner", f"xargs-{n}", "", 0)
+            body = {"model": "tiny", "prompt": _anchor("xargs.planner") + [9 + n] * BLOCK, "max_tokens": 1,
+                    "vllm_xargs": tag.to_xargs()}
+            client.post("/v1/completions", json=body).raise_for_status()
+            headers = {"X-AgentKV-Agent": "xargs.coder", "X-AgentKV-Step": "1", "X-Session-ID": f"xargs-{n}"}
+            body = {"model": "tiny", "prompt": _anchor("xargs.coder") + [9 + n] * BLOCK, "max_tokens": 1}
+            client.post("/v1/completions", headers=headers, json=body).raise_for_status()
+    stats = snapshot.now()
+    assert snapshot.agent_delta("xargs.planner", now=stats) > 0 and snapshot.agent_delta("xargs.coder", now=stats) > 0
+    planner = stats["transitions"]["xargs.planner"]
+    assert max(planner, key=planner.get) == "xargs.coder"
+
+
+def test_a_cancel_ends_its_session_and_a_retried_batch_is_applied_once(agentkv_server):
+    snapshot = StatsSnapshot.take(agentkv_server.base_url)
     tag = AgentTag("cancel.coder", "cancel-1", "", 0)
-    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=120, trust_env=False) as client:
+    with httpx.Client(base_url=agentkv_server.base_url, timeout=120, trust_env=False) as client:
         cached_tokens(client, _anchor("cancel.coder") + [7] * BLOCK, tag.to_headers())
         batch = {"version": 1, "events": [{"type": "cancel", "id": "cancel-1-end", "session": "cancel-1"}]}
         assert client.post(EVENTS_PATH, json=batch).json() == {"accepted": 1, "duplicates": 0}
@@ -118,15 +144,15 @@ def test_a_cancel_ends_its_session_and_a_retried_batch_is_applied_once(own_agent
     assert snapshot.delta("sessions", "ended") == 1
 
 
-def test_metrics_carry_agentkv_counters_beside_vllms(own_agentkv_server):
+def test_metrics_carry_agentkv_counters_beside_vllms(agentkv_server):
     import re
 
     from prometheus_client.parser import text_string_to_metric_families
 
     headers = {"X-AgentKV-Agent": "metrics.coder", "X-AgentKV-Session": "metrics-1"}
-    httpx.post(own_agentkv_server.base_url + "/v1/completions", headers=headers, trust_env=False, timeout=120,
+    httpx.post(agentkv_server.base_url + "/v1/completions", headers=headers, trust_env=False, timeout=120,
                json={"model": "tiny", "prompt": _anchor("metrics.coder"), "max_tokens": 1}).raise_for_status()
-    text = httpx.get(own_agentkv_server.base_url + "/metrics", trust_env=False,
+    text = httpx.get(agentkv_server.base_url + "/metrics", trust_env=False,
                      headers={"Accept-Encoding": "gzip"}).text
     assert "vllm:prefix_cache_queries_total" in text
     # every family docs/server.md lists, by the name the exposition gives it
