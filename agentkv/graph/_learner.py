@@ -89,6 +89,7 @@ class TransitionLearner:
         self._recent: deque[tuple[int, bool]] = deque(maxlen=self.config.accuracy_window)  # (dispatch, hit)
         self.peers = PeerCounts()
         self.version = 0  # bumped on every change that alters the transition model
+        self._merges = 0  # the bumps of ``version`` that merged a peer's counts
 
     # -- observing -----------------------------------------------------------------
 
@@ -356,8 +357,10 @@ class TransitionLearner:
         # every peer as new, and take the slot of an agent this replica serves
         held = counts.sum(axis=0) + counts.sum(axis=1) + entry + ends + interposed > 0
         names = tuple(name for name, kept in zip(self._names, held, strict=True) if kept)
-        return PeerExport(replica, epoch, self.version, names, counts[held][:, held], entry[held], ends[held],
-                          interposed[held])
+        # sequenced by this replica's own changes: two replicas merging each other's exports would
+        # otherwise see a new one at every pull, rebuild and save for ever without traffic
+        return PeerExport(replica, epoch, self.version - self._merges, names, counts[held][:, held], entry[held],
+                          ends[held], interposed[held])
 
     def merge_peer(self, export: PeerExport) -> bool:
         """Take another replica's latest counts into the model; False if stale or a replay. A peer's
@@ -368,6 +371,7 @@ class TransitionLearner:
             if agent in self._index or len(self._names) < self.config.max_agents:
                 self._intern(agent)
         self.version += 1
+        self._merges += 1
         return True
 
     def transition_matrix(self) -> np.ndarray:

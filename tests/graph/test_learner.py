@@ -329,3 +329,18 @@ def test_an_agent_with_nothing_learned_is_not_exported():
     peer = PeerExport("r2", "e1", 1, ("z",), np.zeros((1, 1)), np.zeros(1), np.zeros(1), np.zeros(1))
     assert learner.merge_peer(peer) and "z" in learner.agents
     assert learner.export_counts("r1", "e1").agents == ("a", "b")
+
+
+def test_replicas_merging_each_other_see_nothing_new_without_traffic():
+    # each merge changed the exporting version: A and B merged each other at every pull, for ever
+    a, b = (TransitionLearner(LearnerConfig(max_agents=8), clock=lambda: 0.0) for _ in range(2))
+    a.observe("p", session="s", parent="", now=0.0)
+    a.observe("q", session="s", now=0.0)
+    b.observe("q", session="t", parent="", now=0.0)
+    b.observe("p", session="t", now=0.0)
+    merged = []
+    for _ in range(3):
+        merged.append((b.merge_peer(a.export_counts("a", "e")), a.merge_peer(b.export_counts("b", "e"))))
+    assert merged == [(True, True), (False, False), (False, False)]
+    a.observe("p", session="s2", parent="", now=0.0)  # new traffic: new counts to share
+    assert b.merge_peer(a.export_counts("a", "e"))
