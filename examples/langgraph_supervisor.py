@@ -428,13 +428,9 @@ def start_local_server(blocks: int) -> Any:
 
     build = Path(__file__).resolve().parents[1] / ".build"
     model_dir = build_tiny_model(build / "tiny-model")
-    spec = ServerSpec(
-        model_dir=model_dir,
-        num_gpu_blocks=blocks,
-        max_model_len=min(MAX_POSITION_EMBEDDINGS, (blocks - 1) * 32),
-        module="agentkv.serve",
-        extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "xlam"],
-    )
+    spec = ServerSpec(model_dir=model_dir, num_gpu_blocks=blocks, module="agentkv.serve",
+                      max_model_len=min(MAX_POSITION_EMBEDDINGS, (blocks - 1) * 32),
+                      extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "xlam"])
     print(f"starting agentkv serve on the tiny model ({blocks - 1} KV blocks of 32 tokens) ...", flush=True)
     return VLLMServer(spec, log_path=build / "langgraph-example-server.log").start()
 
@@ -484,11 +480,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=at_least(int, 1), default=24)
     parser.add_argument("--tool-gap", type=at_least(float, 0), default=0.3, help="seconds each tool step takes")
     parser.add_argument("--tool-choice", default="auto", choices=["auto", "none"])
-    parser.add_argument("--routing", default="model", choices=["model", "markov"],
-                        help="markov: route by the seeded chain only, ignoring the model's pick")
+    parser.add_argument("--routing", default="model", choices=["model", "markov"], help="markov: route by the "
+                        "seeded chain only, ignoring the model's pick")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--blocks", type=at_least(int, 65), default=257,
-                        help="local server: --num-gpu-blocks-override (65 and up: 2,048 tokens of context)")
+    parser.add_argument("--blocks", type=at_least(int, 65), default=257, help="local server: "
+                        "--num-gpu-blocks-override (65 and up: 2,048 tokens of context)")
     args = parser.parse_args(argv)
     if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
         parser.error(f"--base-url needs its scheme, e.g. http://{args.base_url}")
