@@ -20,7 +20,10 @@ __all__ = ["StatsSnapshot", "cached_tokens", "fetch_stats", "learned", "wait_for
 
 
 def fetch_stats(base_url: str, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``GET /agentkv/v1/stats`` of the server at ``base_url`` (loopback, no proxy)."""
+    """``GET /agentkv/v1/stats`` of the server at ``base_url`` (loopback, no proxy), no older than
+    the call: the server serves a document again for up to ``STATS_MAX_AGE``, and a younger one
+    may predate the requests sent just before (another test's, on a shared server)."""
+    time.sleep(STATS_MAX_AGE)
     response = httpx.get(base_url + STATS_PATH, headers=dict(headers or {}), trust_env=False, timeout=30)
     response.raise_for_status()
     return response.json()
