@@ -110,8 +110,9 @@ def test_malformed_headers_are_served_untagged_and_counted(own_agentkv_server):
         assert client.post(EVENTS_PATH, content=b"{nope").status_code == 400
 
 
-# The next three tests run on the shared server: a module's own server is for what it learned, and
-# their agents would change the pipeline's learned rows above (their smoothing spreads over more agents).
+# The tests below run on the shared server: the module's own is for the pipeline above, whose exact
+# hits their agents' anchors and histories would change (its third session's supervisor missed its
+# anchor after the tool loop's and the batch's traffic, on this session's code and dd05258's alike).
 
 
 def test_a_body_tag_and_a_session_named_by_x_session_id_are_learned_as_headers_are(agentkv_server):
@@ -164,11 +165,11 @@ def test_metrics_carry_agentkv_counters_beside_vllms(agentkv_server):
     assert names <= families, sorted(names - families)
 
 
-def test_a_tool_loop_without_steps_is_learned_as_one_dispatch(own_agentkv_server):
+def test_a_tool_loop_without_steps_is_learned_as_one_dispatch(agentkv_server):
     # a client that sends agent and session but no X-AgentKV-Step: planner, coder x 3 (its tool loop), planner
     calls = ["loop.planner", "loop.coder", "loop.coder", "loop.coder", "loop.planner"]
-    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
-    with httpx.Client(base_url=own_agentkv_server.base_url, timeout=120, trust_env=False) as client:
+    snapshot = StatsSnapshot.take(agentkv_server.base_url)
+    with httpx.Client(base_url=agentkv_server.base_url, timeout=120, trust_env=False) as client:
         for i, agent in enumerate(calls):
             headers = {"X-AgentKV-Agent": agent, "X-AgentKV-Session": "loop-1"}
             if i == 0:
@@ -184,11 +185,11 @@ def test_a_tool_loop_without_steps_is_learned_as_one_dispatch(own_agentkv_server
     assert coder.get("loop.coder", 0.0) < coder["loop.planner"] / 2  # the loop taught no coder -> coder
 
 
-def test_a_batch_of_chat_conversations_is_tagged_by_its_headers(own_agentkv_server):
+def test_a_batch_of_chat_conversations_is_tagged_by_its_headers(agentkv_server):
     """vLLM's ``/v1/chat/completions/batch``: each conversation is a call of the tagged agent."""
-    snapshot = StatsSnapshot.take(own_agentkv_server.base_url)
+    snapshot = StatsSnapshot.take(agentkv_server.base_url)
     conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(2)]
-    response = httpx.post(own_agentkv_server.base_url + "/v1/chat/completions/batch", trust_env=False, timeout=120,
+    response = httpx.post(agentkv_server.base_url + "/v1/chat/completions/batch", trust_env=False, timeout=120,
                           json={"model": "tiny", "messages": conversations, "max_tokens": 1},
                           headers={"X-AgentKV-Agent": "batch.grader", "X-AgentKV-Session": "batch-1"})
     response.raise_for_status()
