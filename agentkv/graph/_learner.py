@@ -32,7 +32,8 @@ class LearnerConfig:
     """Parameters of a TransitionLearner.
 
     ``half_life`` is measured in observed dispatches: after that many newer dispatches an
-    observation weighs half as much. ``None`` keeps counts forever.
+    observation weighs half as much (at least 0.01: a shorter one would overflow the count
+    weight, and forgets everything at every dispatch anyway). ``None`` keeps counts forever.
     """
 
     epsilon: float = 0.1
@@ -45,8 +46,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not self.epsilon > 0:
             raise ValueError("epsilon must be > 0")
-        if self.half_life is not None and not self.half_life > 0:
-            raise ValueError("half_life must be > 0 or None")
+        if self.half_life is not None and not self.half_life >= 0.01:
+            raise ValueError("half_life must be >= 0.01 dispatches or None")
         if self.max_agents < 2 or self.max_sessions < 1 or self.accuracy_window < 1:
             raise ValueError("max_agents >= 2, max_sessions >= 1 and accuracy_window >= 1 are required")
         if not self.session_ttl > 0:
