@@ -145,6 +145,27 @@ def test_a_cancel_ends_its_session_and_a_retried_batch_is_applied_once(agentkv_s
     assert snapshot.delta("sessions", "ended") == 1
 
 
+def test_a_session_start_makes_an_ended_session_id_live_again(agentkv_server):
+    """docs/protocol.md §2.2: ``session_start`` for an ended id revives it (its history is no longer
+    retired first); so does a tagged call of that session."""
+    snapshot = StatsSnapshot.take(agentkv_server.base_url)
+    with httpx.Client(base_url=agentkv_server.base_url, timeout=120, trust_env=False) as client:
+        for n, revive in enumerate(("session_start", "call")):
+            session, tag = f"revive-{n}", AgentTag("revive.coder", f"revive-{n}", "", 0)
+            cached_tokens(client, _anchor("revive.coder") + [11 + n] * BLOCK, tag.to_headers())
+            end = {"version": 1, "events": [{"type": "session_end", "id": f"{session}-end", "session": session}]}
+            client.post(EVENTS_PATH, json=end).raise_for_status()
+            assert snapshot.delta("sessions", "ended") == 1
+            if revive == "session_start":
+                start = {"type": "session_start", "id": f"{session}-start", "session": session}
+                assert client.post(EVENTS_PATH, json={"version": 1, "events": [start]}).json() == {
+                    "accepted": 1, "duplicates": 0}
+            else:
+                cached_tokens(client, _anchor("revive.coder") + [11 + n] * (2 * BLOCK), AgentTag(
+                    "revive.coder", session, None, 1).to_headers())
+            assert snapshot.delta("sessions", "ended") == 0, revive
+
+
 def test_metrics_carry_agentkv_counters_beside_vllms(agentkv_server):
     import re
 
