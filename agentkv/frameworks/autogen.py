@@ -7,26 +7,25 @@
 Seams (autogen-agentchat 0.7.5): each participant's ``_model_client`` and the team's (the selector's)
 are replaced, before the first run, by a :class:`TaggedModelClient`; each participant's
 ``on_messages_stream`` is wrapped to mark a speaker turn (one dispatch per turn, parent = previous
-speaker); the team's ``run_stream`` is wrapped to open a session (or go on with the team's
-conversation) and ``reset`` to end it. ``instrument`` mutates
-the team and returns it, so it stays a real team. The selector's own model calls are tagged
-``agent="selector"`` and are not dispatches (see docs/frameworks.md, "AutoGen").
+speaker; in a ``GraphFlow``, the speaker whose edge led to it: :mod:`._autogen_graph`); the team's
+``run_stream`` is wrapped to open a session (or go on with the team's conversation) and ``reset`` to
+end it. ``instrument`` mutates the team and returns it, so it stays a real team. The selector's own
+model calls are tagged ``agent="selector"`` and are not dispatches (see docs/frameworks.md, "AutoGen").
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
 from autogen_core.models import ChatCompletionClient
 
 from agentkv.client import (
     ERRORS,
+    UNSET,
     Dispatch,
     count,
     dispatch_ended,
@@ -38,6 +37,7 @@ from agentkv.client import (
 )
 from agentkv.protocol import AgentTag
 
+from ._autogen_graph import GraphLineage, digraph_of, team_facts
 from ._events import EventSink, SinkHandle, get_sink, session_event
 
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
@@ -128,63 +128,6 @@ def _unwrap(client: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# Facts
-# --------------------------------------------------------------------------------------
-
-
-def team_facts(team: Any) -> dict[str, Any]:
-    """The protocol ``graph`` event of a team: participants and the speaker transitions allowed.
-
-    ``allowed_transitions`` (a mapping speaker -> next speakers) when the team has one; a round
-    robin's cycle; a swarm's handoffs; otherwise all-to-all (without self-loops when
-    ``allow_repeated_speaker`` is False). A ``candidate_func``/``selector_func`` cannot be
-    enumerated, so it keeps all-to-all.
-    """
-    participants = [str(getattr(p, "name", p)) for p in getattr(team, "_participants", [])]
-    ids = {p: sanitize_id(p) for p in participants}
-    edges: set[tuple[str, str]] = set()
-    conditional: set[tuple[str, str]] = set()
-    entry: list[str] = []
-    allowed = getattr(team, "allowed_transitions", None) or getattr(team, "_allowed_transitions", None)
-    kind = type(team).__name__
-    if isinstance(allowed, Mapping):
-        for source, targets in allowed.items():
-            for target in targets:
-                conditional.add((sanitize_id(source), sanitize_id(target)))
-        entry = [ids[p] for p in participants]
-    elif kind == "RoundRobinGroupChat" and participants:
-        for i, p in enumerate(participants):
-            edges.add((ids[p], ids[participants[(i + 1) % len(participants)]]))
-        entry = [ids[participants[0]]]
-    elif kind == "Swarm" and participants:
-        for p in getattr(team, "_participants", []):
-            for handoff in (getattr(p, "_handoffs", None) or {}).values():
-                target = getattr(handoff, "target", None)
-                if target:
-                    conditional.add((sanitize_id(p.name), sanitize_id(target)))
-        entry = [ids[participants[0]]]
-    else:
-        repeat = bool(getattr(team, "_allow_repeated_speaker", True)) or getattr(team, "_candidate_func", None)
-        for a in participants:
-            for b in participants:
-                if a != b or repeat:
-                    conditional.add((ids[a], ids[b]))
-        entry = [ids[p] for p in participants]
-    event: dict[str, Any] = {
-        "type": "graph",
-        "nodes": sorted(set(ids.values())),
-        "edges": sorted([a, b] for a, b in edges),
-        "conditional_edges": sorted([a, b] for a, b in conditional - edges),
-        "entry": sorted(set(entry)),
-    }
-    name = getattr(team, "name", None) or kind
-    event["app"] = sanitize_id(name)
-    digest = hashlib.sha1(json.dumps(event, sort_keys=True).encode()).hexdigest()[:16]
-    event["id"] = f"graph-{digest}"
-    return event
-
-
-# --------------------------------------------------------------------------------------
 # Instrumentation state
 # --------------------------------------------------------------------------------------
 
@@ -211,6 +154,8 @@ class TeamInstrumentation:
         self._tags: dict[str, AgentTag] = {}
         self._lock = threading.Lock()
         self.speakers: list[tuple[str, str | None, int | None]] = []  # (agent, parent, step) of the last run
+        graph = digraph_of(team)
+        self.graph = None if graph is None else GraphLineage(graph)  # a GraphFlow's speakers follow its graph
 
     # -- session ---------------------------------------------------------------------
 
@@ -238,6 +183,10 @@ class TeamInstrumentation:
             self._tags.clear()
             if not going_on:
                 self.speakers = []
+            if self.graph is not None:
+                if not going_on:
+                    self.graph.clear()
+                self.graph.begin_run(max((step or 0 for _, _, step in self.speakers), default=0))
         tracker().start_session(session, keep_lineage=going_on)
         count("autogen_runs")
         if self.sink is not None:
@@ -268,12 +217,19 @@ class TeamInstrumentation:
         if session is None:  # the agent runs outside a team run: tag, but no lineage
             tag = AgentTag(agent)
         else:
-            d = tracker().dispatch(agent, session, framework="autogen", node=name, app=self.app_id)
+            parent, step = self.graph.predecessor(name) if self.graph is not None else (UNSET, UNSET)
+            d = tracker().dispatch(agent, session, parent=parent, step=step, framework="autogen", node=name,
+                                   app=self.app_id)
             tag = d.tag
             self.speakers.append((d.agent, d.parent, d.step))
         with self._lock:
             self._tags[agent] = tag
         return tag, d
+
+    def end_turn(self, name: str, dispatch: Dispatch, response: Any) -> None:
+        """A speaker's turn ended with ``response`` (AutoGen's ``Response``, None if it gave none)."""
+        if self.graph is not None and dispatch.step is not None:
+            self.graph.turn_ended(name, dispatch.agent, dispatch.step, getattr(response, "chat_message", None))
 
     def agent_tag(self, name: str) -> AgentTag:
         agent = sanitize_id(name)
@@ -332,9 +288,13 @@ def _agent_tag(participant: Any, name: str) -> AgentTag:
     return AgentTag(sanitize_id(name)) if team is None else team.agent_tag(name)
 
 
-def _begin_turn(participant: Any, name: str) -> tuple[AgentTag, Dispatch | None]:
+def _begin_turn(participant: Any, name: str) -> tuple[AgentTag, Dispatch | None, Callable[[Any], None] | None]:
+    """The turn's tag, its dispatch and what to call with its last item when it ends (None outside a run)."""
     team = _running_team(participant)
-    return (AgentTag(sanitize_id(name)), None) if team is None else team.begin_turn(name)
+    if team is None:
+        return AgentTag(sanitize_id(name)), None, None
+    tag, dispatch = team.begin_turn(name)
+    return tag, dispatch, None if dispatch is None else lambda last: team.end_turn(name, dispatch, last)
 
 
 def _wrap_turns(agent: Any, name: str) -> None:
@@ -343,18 +303,23 @@ def _wrap_turns(agent: Any, name: str) -> None:
     def on_messages_stream(messages: Any, cancellation_token: Any) -> AsyncIterator[Any]:
         tag: AgentTag | None = None
         dispatch: Dispatch | None = None
+        ended: Callable[[Any], None] | None = None
         try:
             install()  # an SDK imported since the team was wrapped (e.g. anthropic) is tagged too
-            tag, dispatch = _begin_turn(agent, name)
+            tag, dispatch, ended = _begin_turn(agent, name)
         except Exception as exc:
             ERRORS.record("autogen turn", exc)
-        return _run_under(original(messages, cancellation_token), tag, dispatch)
+        return _run_under(original(messages, cancellation_token), tag, dispatch, ended)
 
     on_messages_stream.__agentkv_original__ = original  # type: ignore[attr-defined]
     agent.on_messages_stream = on_messages_stream
 
 
-async def _run_under(stream: Any, tag: AgentTag | None, dispatch: Dispatch | None) -> AsyncGenerator[Any, None]:
+async def _run_under(
+    stream: Any, tag: AgentTag | None, dispatch: Dispatch | None, ended: Callable[[Any], None] | None = None
+) -> AsyncGenerator[Any, None]:
+    """``stream`` with ``tag`` set around each step; then ``dispatch`` ends, and ``ended`` gets the last item."""
+    last: Any = None
     try:
         while True:
             token = push_tag(tag)
@@ -364,6 +329,7 @@ async def _run_under(stream: Any, tag: AgentTag | None, dispatch: Dispatch | Non
                 return
             finally:
                 reset_tag(token)
+            last = item
             yield item
     finally:
         try:
@@ -371,6 +337,11 @@ async def _run_under(stream: Any, tag: AgentTag | None, dispatch: Dispatch | Non
         finally:
             if dispatch is not None:
                 dispatch_ended(dispatch)
+            if ended is not None:
+                try:
+                    ended(last)
+                except Exception as exc:
+                    ERRORS.record("autogen turn end", exc)
 
 
 async def _aclose(stream: Any) -> None:
@@ -439,7 +410,7 @@ def instrument(
     events_url: str | Sequence[str] | None = None,
     selector_name: str = "selector",
 ) -> Any:
-    """Tag every model call of an AutoGen group chat (``SelectorGroupChat``, also round robin/swarm).
+    """Tag every model call of an AutoGen team (``SelectorGroupChat``, round robin, swarm, ``GraphFlow``).
 
     Call it before the team's first run (AutoGen hands the selector's client to its manager then).
     A session is the team's conversation: a run continues it (AutoGen keeps the messages), and
