@@ -27,21 +27,17 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import httpx
-import openai
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.messages import BaseChatMessage
 from autogen_agentchat.teams import SelectorGroupChat
 from autogen_core.models import UserMessage
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-from agentkv._arguments import at_least
 from agentkv.frameworks import use_tag
 from agentkv.frameworks.autogen import instrument, instrumentation
-from agentkv.launcher import exit_on_signals
+from agentkv.testing.example_cli import example_parser, print_server_view, run_example
 
 AGENTS = {
     "planner": (
@@ -156,37 +152,11 @@ def build_team(base_url: str, model: str = "tiny", *, turns: int = 6, max_tokens
     return team, selector
 
 
-def agentkv_root(base_url: str) -> str | None:
-    """The server root if ``base_url`` is an agentkv server (it answers ``GET /agentkv/v1/stats``)."""
-    root = base_url.rstrip("/").removesuffix("/v1")
-    try:
-        ok = httpx.get(root + "/agentkv/v1/stats", timeout=5, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        ok = False
-    return root if ok else None
-
-
-def start_local_server(blocks: int) -> Any:
-    """Build the tiny random model and start ``agentkv serve`` on it (127.0.0.1, a free port); its
-    log in .build/. Context as long as the blocks hold."""
-    from agentkv.testing.tiny_model import MAX_POSITION_EMBEDDINGS, build_tiny_model
-    from agentkv.testing.vllm_server import ServerSpec, VLLMServer
-
-    build = Path(__file__).resolve().parents[1] / ".build"
-    model_dir = build_tiny_model(build / "tiny-model")
-    print(f"starting agentkv serve on the tiny model ({blocks - 1} KV blocks of 32 tokens) ...", flush=True)
-    spec = ServerSpec(model_dir=model_dir, num_gpu_blocks=blocks, module="agentkv.serve",
-                      max_model_len=min(MAX_POSITION_EMBEDDINGS, (blocks - 1) * 32))
-    return VLLMServer(spec, log_path=build / "autogen-example-server.log").start()
-
-
-async def run(args: argparse.Namespace, base_url: str) -> None:
-    root = agentkv_root(base_url)
+async def run(args: argparse.Namespace, base_url: str, root: str | None) -> None:
+    """The sessions, one after another, on the server at ``base_url`` (``root``: agentkv's)."""
     ids = iter(f"autogen-{args.seed}-{i}" for i in range(args.sessions))
     team, selector = build_team(base_url, args.model, turns=args.turns, max_tokens=args.max_tokens, seed=args.seed,
                                 session=lambda: next(ids), events_url=root)
-    print(f"{'agentkv' if root else 'plain OpenAI-compatible'} server at {base_url}; "
-          f"{args.sessions} sessions of {args.turns} turns")
     for i in range(args.sessions):
         t0 = time.perf_counter()
         result = await team.run(task=TASKS[i % len(TASKS)])
@@ -198,53 +168,12 @@ async def run(args: argparse.Namespace, base_url: str) -> None:
         state = instrumentation(team)
         if state is not None and state.sink is not None:
             await asyncio.to_thread(state.sink.flush)  # session events are posted in the background
-        stats = httpx.get(root + "/agentkv/v1/stats", timeout=10, trust_env=False).json()
-        print_stats(stats)
-
-
-def print_stats(stats: dict[str, Any]) -> None:
-    """The server's view of the run (``GET /agentkv/v1/stats``)."""
-    accuracy = stats["top1_accuracy"]
-    print(f"\npolicy {stats['policy']}, predictability R = {stats['predictability']:.3f}, top-1 accuracy = "
-          f"{'n/a' if accuracy is None else f'{accuracy:.1%}'}, {stats['dispatches']} dispatches learned")
-    print("\n| from \\ to | " + " | ".join(AGENTS) + " | selector |\n|---|" + "---:|" * (len(AGENTS) + 1))
-    for name in [*AGENTS, "selector"]:
-        row = stats["transitions"].get(name, {})
-        print(f"| {name} | " + " | ".join(f"{row[t]:.2f}" if t in row else "" for t in [*AGENTS, "selector"]) + " |")
-    print("\n| agent | prompt tokens | cached | hit rate |\n|---|---:|---:|---:|")
-    total = {"queries": 0, "hits": 0}
-    for name in [*AGENTS, "selector"]:
-        a = stats["agents"].get(name, {"queries": 0, "hits": 0})
-        total = {k: total[k] + a[k] for k in total}
-        print(f"| {name} | {a['queries']} | {a['hits']} | {a['hits'] / max(1, a['queries']):.0%} |")
-    print(f"| all | {total['queries']} | {total['hits']} | {total['hits'] / max(1, total['queries']):.1%} |")
+        print_server_view(root, [*AGENTS, "selector"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", help="OpenAI-compatible endpoint (default: start a local agentkv server)")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--sessions", type=at_least(int, 0), default=2)
-    parser.add_argument("--turns", type=at_least(int, 1), default=6, help="speaker turns per session")
-    parser.add_argument("--max-tokens", type=at_least(int, 1), default=24)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--blocks", type=at_least(int, 65), default=257,
-                        help="local server: --num-gpu-blocks-override (65 and up: 2,048 tokens of context)")
-    args = parser.parse_args(argv)
-    if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
-        parser.error(f"--base-url needs its scheme, e.g. http://{args.base_url}")
-    exit_on_signals()  # a kill or a closed terminal stops the local server too
-    server = start_local_server(args.blocks) if args.base_url is None else None
-    base_url = args.base_url or server.base_url + "/v1"
-    try:
-        asyncio.run(run(args, base_url))
-    except (openai.APIConnectionError, httpx.HTTPError) as exc:
-        print(f"cannot reach {base_url}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if server is not None:
-            server.stop()
-    return 0
+    parser = example_parser(__doc__, sessions=2, turns=6)
+    return run_example(parser, run, argv, script=__file__)
 
 
 if __name__ == "__main__":

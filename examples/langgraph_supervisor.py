@@ -20,7 +20,9 @@ Without ``--base-url`` the script builds the tiny model, starts ``agentkv serve`
 and stops it at the end. Against your own vLLM, ``--tool-choice auto`` (the default) needs
 ``--enable-auto-tool-choice --tool-call-parser ...``; otherwise pass ``--tool-choice none``.
 ``agentkv.instrument`` is applied whatever the server; graph facts and session events are posted
-only when the server answers ``GET /agentkv/v1/stats``.
+only when the server answers ``GET /agentkv/v1/stats``, and the run then ends with the server's view:
+policy, predictability R, top-1 accuracy, the learned transitions (P >= 0.05) and the prefix-cache
+hit rate per agent.
 """
 
 from __future__ import annotations
@@ -35,11 +37,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
-import httpx
-import openai
 from langchain_core.messages import AIMessage, AnyMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, tool
@@ -50,7 +49,7 @@ from langgraph.graph.message import add_messages
 import agentkv
 from agentkv._arguments import at_least
 from agentkv.bench.topologies import AGENTS, topology
-from agentkv.launcher import exit_on_signals
+from agentkv.testing.example_cli import example_parser, print_server_view, run_example
 
 # ---------------------------------------------------------------------------------------------
 # Tools: small, real and deterministic. Their schemas are part of each agent's anchor.
@@ -405,55 +404,17 @@ async def run_session(
     return state["messages"]
 
 
-def agentkv_root(base_url: str) -> str | None:
-    """The server root if ``base_url`` is an agentkv server (it answers ``GET /agentkv/v1/stats``)."""
-    root = base_url.rstrip("/").removesuffix("/v1")
-    try:
-        ok = httpx.get(root + "/agentkv/v1/stats", timeout=5, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        ok = False
-    return root if ok else None
-
-
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 
 
-def start_local_server(blocks: int) -> Any:
-    """Build the tiny random model and start ``agentkv serve`` on it (127.0.0.1, a free port); its
-    log in .build/. Context as long as the blocks hold (the history grows ~150 tokens a turn)."""
-    from agentkv.testing.tiny_model import MAX_POSITION_EMBEDDINGS, build_tiny_model
-    from agentkv.testing.vllm_server import ServerSpec, VLLMServer
-
-    build = Path(__file__).resolve().parents[1] / ".build"
-    model_dir = build_tiny_model(build / "tiny-model")
-    spec = ServerSpec(model_dir=model_dir, num_gpu_blocks=blocks, module="agentkv.serve",
-                      max_model_len=min(MAX_POSITION_EMBEDDINGS, (blocks - 1) * 32),
-                      extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "xlam"])
-    print(f"starting agentkv serve on the tiny model ({blocks - 1} KV blocks of 32 tokens) ...", flush=True)
-    return VLLMServer(spec, log_path=build / "langgraph-example-server.log").start()
-
-
-def _print_stats(root: str) -> None:
-    stats = httpx.get(root + "/agentkv/v1/stats", timeout=10, trust_env=False).json()
-    print(f"\nserver: policy {stats['policy']}, predictability R {stats['predictability']:.2f}, "
-          f"evictions {stats['evictions']}")
-    print("| agent | prompt tokens | cached | hit rate | anchor blocks |")
-    print("|---|---:|---:|---:|---:|")
-    for name, a in sorted(stats["agents"].items()):
-        rate = a["hits"] / a["queries"] if a["queries"] else 0.0
-        print(f"| {name} | {a['queries']} | {a['hits']} | {rate:.0%} | {a.get('anchor_blocks', 0)} |")
-
-
-async def _main_async(args: argparse.Namespace, base_url: str) -> None:
+async def run(args: argparse.Namespace, base_url: str, root: str | None) -> None:
+    """The sessions, ``--concurrency`` at a time, on the server at ``base_url`` (``root``: agentkv's)."""
     config = TeamConfig(base_url=base_url, model=args.model, max_tokens=args.max_tokens, turns=args.turns,
                         tool_gap=args.tool_gap, seed=args.seed, tool_choice=args.tool_choice,
                         routing=args.routing)
-    root = agentkv_root(base_url)
     app = agentkv.instrument(build_team(config), events_url=root)  # tags every request; events only to agentkv
-    print(f"{'agentkv' if root else 'plain OpenAI-compatible'} server at {base_url}; "
-          f"{args.sessions} sessions of {args.turns} turns")
     semaphore = asyncio.Semaphore(args.concurrency)
 
     async def one(i: int) -> None:
@@ -467,39 +428,19 @@ async def _main_async(args: argparse.Namespace, base_url: str) -> None:
     await asyncio.gather(*(one(i) for i in range(args.sessions)))
     if root:
         await asyncio.to_thread(app.sink.flush)  # session_end events are posted in the background
-        _print_stats(root)
+        print_server_view(root, AGENTS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base-url", help="OpenAI-compatible endpoint (default: start a local agentkv server)")
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--sessions", type=at_least(int, 0), default=3)
+    parser = example_parser(__doc__, sessions=3, turns=8)
     parser.add_argument("--concurrency", type=at_least(int, 1), default=1, help="sessions running at once")
-    parser.add_argument("--turns", type=at_least(int, 1), default=8, help="agent turns per session")
-    parser.add_argument("--max-tokens", type=at_least(int, 1), default=24)
     parser.add_argument("--tool-gap", type=at_least(float, 0), default=0.3, help="seconds each tool step takes")
     parser.add_argument("--tool-choice", default="auto", choices=["auto", "none"])
     parser.add_argument("--routing", default="model", choices=["model", "markov"], help="markov: route by the "
                         "seeded chain only, ignoring the model's pick")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--blocks", type=at_least(int, 65), default=257, help="local server: "
-                        "--num-gpu-blocks-override (65 and up: 2,048 tokens of context)")
-    args = parser.parse_args(argv)
-    if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
-        parser.error(f"--base-url needs its scheme, e.g. http://{args.base_url}")
-    exit_on_signals()  # a kill or a closed terminal stops the local server too
-    server = start_local_server(args.blocks) if args.base_url is None else None
-    base_url = args.base_url or server.base_url + "/v1"
-    try:
-        asyncio.run(_main_async(args, base_url))
-    except (openai.APIConnectionError, httpx.HTTPError) as exc:
-        print(f"cannot reach {base_url}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if server is not None:
-            server.stop()
-    return 0
+    # the local server parses the tiny model's tool calls (the history grows ~150 tokens a turn)
+    return run_example(parser, run, argv, script=__file__,
+                       server_args=["--enable-auto-tool-choice", "--tool-call-parser", "xlam"])
 
 
 if __name__ == "__main__":
