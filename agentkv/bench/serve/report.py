@@ -13,7 +13,7 @@ from agentkv.bench.serve_paired import comparison_lines
 from .plots import plot, plot_setups
 from .targets import SERVERS
 
-__all__ = ["comparison_report", "confusion_markdown", "markdown_table", "warmup_lines", "write_reports"]
+__all__ = ["comparison_report", "confusion_markdown", "markdown_table", "warmup_lines", "write_json", "write_reports"]
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -109,10 +109,26 @@ def warmup_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def write_json(result: dict[str, Any], path: Path) -> None:
+    """``result`` as strict JSON: a figure with no data (NaN) or an infinity is null (bare NaN is
+    no JSON: jq and JavaScript refuse the file)."""
+    path.write_text(json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = None) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "serve.json", "md": out / "serve.md"}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_json(result, paths["json"])
     tables = [markdown_table(result["rows"]),
               "\n".join([*comparison_report(result), *warmup_lines(result), *bound_lines(result)])]
     tables += [confusion_markdown(r) for r in result["rows"] if r.get("confusion")]
