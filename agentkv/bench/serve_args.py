@@ -137,7 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--untagged", action="store_true",
                         help="send no agentkv headers at all (no tags, no X-Session-ID, no events): the agentkv "
                              "server recognizes agents and sessions itself; adds a confusion table")
-    parser.add_argument("--out", type=Path, default=d.out, help="directory for serve.json, serve.md, serve.png")
+    parser.add_argument("--out", type=Path, default=d.out,
+                        help="directory for serve.json (rewritten after every block, \"complete\": false until the "
+                             "run ends), serve.md and serve.png (at the end)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default OUT/serve.png)")
 
 

@@ -1,10 +1,15 @@
-"""What ``agentkv bench serve`` leaves in its output folder: strict JSON (no bare NaN)."""
+"""What ``agentkv bench serve`` leaves in its output folder: strict JSON (no bare NaN), rewritten
+after every block, so that an interrupted run keeps what it measured."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from agentkv.bench import serve
+from agentkv.bench.serve import run as serve_run
+from agentkv.bench.serve_args import ServeConfig
 from agentkv.bench.serve_paired import Block, compare
 
 
@@ -27,3 +32,67 @@ def test_figures_without_data_are_written_as_null(tmp_path):
     assert written["rows"][0]["ttft_mean_ms"] is None and written["rows"][0]["hit_rate"] is None
     assert written["comparisons"][0]["ttft_mean"] == {"value": None, "low": None, "high": None}
     assert written["rows"][0]["turns"] == 0 and written["config"]["seed"] == 0  # the rest as it was
+
+
+def _fake_blocks(monkeypatch, *, interrupt_at: int | None = None) -> list[str]:
+    """Blocks run without servers: each returns a run of one 0.1 s call per session; the call
+    numbered ``interrupt_at`` is a Ctrl-C."""
+    ran = []
+
+    async def run_rate(app, team, target, *, rate, sessions, seed, prefix, **options):
+        if len(ran) == interrupt_at:
+            raise KeyboardInterrupt
+        ran.append(f"{target.server} {prefix}")
+        records = [serve.CallRecord("coder", f"{prefix}-{i}", 0.0, 0.1, 0.3, 100, 60) for i in range(sessions)]
+        return serve.RateRun(target.server, rate, sessions, team.turns, records, 1.0, 60, 100, [], (1.0, 1.0))
+
+    monkeypatch.setattr(serve_run, "run_rate", run_rate)
+    return ran
+
+
+def _config(tmp_path) -> ServeConfig:  # two blocks of one session, on two targets: four runs
+    return ServeConfig(rates=[1.0], sessions=2, block_sessions=1, warmup_sessions=0, turns=2, untagged=True,
+                       out=tmp_path)
+
+
+_TARGETS = [serve.Target.single("vanilla", "http://127.0.0.1:9"), serve.Target.single("agentkv", "http://127.0.0.1:9")]
+
+
+def test_a_run_interrupted_after_its_first_block_leaves_that_block_in_serve_json(monkeypatch, tmp_path):
+    ran = _fake_blocks(monkeypatch, interrupt_at=1)
+    with pytest.raises(KeyboardInterrupt):
+        serve.run_benchmark(_config(tmp_path), targets=_TARGETS, log=lambda _: None)
+    assert ran == ["vanilla x0-r0-b0"]
+    written = _strict((tmp_path / "serve.json").read_text())
+    assert written["complete"] is False and written["comparisons"] == []
+    assert [(r["server"], r["turns"], r["ttft_mean_ms"]) for r in written["rows"]] == [("vanilla", 1, 100.0)]
+    assert written["config"]["sessions"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["serve.json"]  # no temporary file left behind
+
+
+def test_a_finished_run_says_it_is_complete_in_serve_json(monkeypatch, tmp_path):
+    ran = _fake_blocks(monkeypatch)
+    result = serve.run_benchmark(_config(tmp_path), targets=_TARGETS, log=lambda _: None)
+    assert len(ran) == 4 and result["complete"] is True
+    written = _strict((tmp_path / "serve.json").read_text())
+    assert written["complete"] is True and [c["blocks"] for c in written["comparisons"]] == [2]
+    assert [(r["server"], r["turns"]) for r in written["rows"]] == [("vanilla", 2), ("agentkv", 2)]
+
+
+def test_an_interrupted_command_says_where_its_blocks_are(monkeypatch, tmp_path, capsys):
+    import agentkv.__main__ as cli
+
+    ran = _fake_blocks(monkeypatch, interrupt_at=0)
+    monkeypatch.setattr(serve_run, "_run_benchmark", lambda config, servers, targets, log: serve_run.asyncio.run(
+        serve_run._run_async(config, _TARGETS, log)))
+    argv = ["bench", "serve", "--untagged", "--rates", "1", "--sessions", "1", "--warmup-sessions", "0",
+            "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 130 and ran == []
+    assert capsys.readouterr().err == "agentkv bench serve: interrupted; no block was measured\n"
+    ran = _fake_blocks(monkeypatch, interrupt_at=1)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 130 and len(ran) == 1
+    assert capsys.readouterr().err.endswith(f"the blocks measured so far are in {tmp_path / 'serve.json'}\n")

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
 from agentkv.bench.serve_args import config_from_args
 
-from .report import bound_lines, comparison_report, confusion_markdown, markdown_table, warmup_lines, write_reports
+from .report import (
+    JSON_NAME,
+    bound_lines,
+    comparison_report,
+    confusion_markdown,
+    markdown_table,
+    warmup_lines,
+    write_reports,
+)
 from .run import run_benchmark
 
 __all__ = ["main"]
@@ -17,7 +28,11 @@ def main(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:  # a combination of options the benchmark cannot run
         raise SystemExit(f"agentkv bench serve: {exc}") from None
-    result = run_benchmark(config)
+    try:
+        result = run_benchmark(config)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (see servers.running): say what is left
+        print(f"agentkv bench serve: interrupted; {_left(config.out / JSON_NAME)}", file=sys.stderr)
+        return 130
     paths = write_reports(result, config.out, args.plot)
     print()
     print(markdown_table(result["rows"]))
@@ -32,3 +47,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"agentkv bench serve: every call failed on {', '.join(failed)} (see the server logs in {config.out})")
         return 1
     return 0
+
+
+def _left(path: Path) -> str:
+    try:
+        partial = json.loads(path.read_text())["complete"] is False
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not this benchmark's
+        partial = False
+    return f"the blocks measured so far are in {path}" if partial else "no block was measured"

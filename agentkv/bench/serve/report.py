@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,10 @@ from agentkv.bench.serve_paired import comparison_lines
 from .plots import plot, plot_setups
 from .targets import SERVERS
 
-__all__ = ["comparison_report", "confusion_markdown", "markdown_table", "warmup_lines", "write_json", "write_reports"]
+__all__ = ["JSON_NAME", "comparison_report", "confusion_markdown", "markdown_table", "warmup_lines", "write_json",
+           "write_reports"]
+
+JSON_NAME = "serve.json"  # in the output folder: the result, rewritten after every block of a run
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -111,8 +115,12 @@ def warmup_lines(result: dict[str, Any]) -> list[str]:
 
 def write_json(result: dict[str, Any], path: Path) -> None:
     """``result`` as strict JSON: a figure with no data (NaN) or an infinity is null (bare NaN is
-    no JSON: jq and JavaScript refuse the file)."""
-    path.write_text(json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n")
+    no JSON: jq and JavaScript refuse the file). Written to a temporary file that then replaces
+    ``path``: a run killed while writing leaves the previous version whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.partial")
+    temporary.write_text(json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n")
+    os.replace(temporary, path)
 
 
 def _finite(value: Any) -> Any:
@@ -127,7 +135,7 @@ def _finite(value: Any) -> Any:
 
 def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = None) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "serve.json", "md": out / "serve.md"}
+    paths = {"json": out / JSON_NAME, "md": out / "serve.md"}
     write_json(result, paths["json"])
     tables = [markdown_table(result["rows"]),
               "\n".join([*comparison_report(result), *warmup_lines(result), *bound_lines(result)])]

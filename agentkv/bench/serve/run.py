@@ -21,6 +21,7 @@ from agentkv.bench.serve_paired import Block, Swap, compare, core_pair, swap_cor
 from .app import load_example
 from .load import run_rate
 from .replicas import start_targets
+from .report import JSON_NAME, write_json
 from .servers import TRACE_NAME, start_servers
 from .stats import RateRun, pooled_row
 from .targets import Target, single_targets
@@ -55,6 +56,9 @@ def _comparisons(blocks: dict[tuple[float, str, str], list[Block]], seed: int) -
 
 async def _run_async(config: ServeConfig, targets: Sequence[Target], log: Any, swap: Swap | None = None
                      ) -> dict[str, Any]:
+    """The benchmark on ``targets``; ``config.out``/serve.json is rewritten after every block
+    (``"complete": false``, the rows so far, no comparisons: their blocks are not all paired yet),
+    so a run killed or interrupted keeps what it measured."""
     # the run's own HTTP client, closed with its event loop, so that a process can run twice
     from langsmith import tracing_context  # LangChain's tracing client (a LangGraph dependency)
 
@@ -116,11 +120,14 @@ async def _run_on(config: ServeConfig, targets: Sequence[Target], log: Any, swap
                         f"TTFT mean {row['ttft_mean_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms  "
                         f"turn {row['turn_mean_ms']:.0f} ms  {row['throughput']:.2f} turns/s  ({row['turns']} turns, "
                         f"{row['errors']} errors, load {run.load[0]:.1f}->{run.load[1]:.1f})")
+                    write_json({"config": _jsonable(asdict(config)), "complete": False,
+                                "rows": [pooled_row(group) for group in runs.values()], "comparisons": []},
+                               config.out / JSON_NAME)
                     sink = getattr(app, "sink", None)
                     if sink is not None:  # the session ends reach the server before the next block
                         await asyncio.to_thread(sink.flush, 5.0)
     rows = [pooled_row(group) for group in runs.values()]
-    result: dict[str, Any] = {"config": _jsonable(asdict(config)), "rows": rows,
+    result: dict[str, Any] = {"config": _jsonable(asdict(config)), "complete": True, "rows": rows,
                               "comparisons": _comparisons(blocks, config.seed)}
     engines = list(dict.fromkeys(e for t in targets if t.server != "vanilla" for e in t.engines))
     if engines:
@@ -194,7 +201,16 @@ def run_benchmark(
     """Run every rate on every target. ``servers`` ({"vanilla": ..., "agentkv": ...} objects with a
     ``base_url``) or ``targets`` skip starting our own; otherwise both single servers start, plus,
     with ``config.replicas > 1``, both kinds of replicas behind ``config.routers`` (see
-    :mod:`agentkv.bench.serve.replicas`). Returns ``{"config", "rows", "agentkv_stats"}``."""
+    :mod:`agentkv.bench.serve.replicas`). Returns ``{"config", "complete", "rows", "comparisons",
+    "agentkv_stats"}``, also written to ``config.out``/serve.json (and after every block: see
+    :func:`_run_async`)."""
+    result = _run_benchmark(config, servers, targets, log)
+    write_json(result, config.out / JSON_NAME)
+    return result
+
+
+def _run_benchmark(config: ServeConfig, servers: dict[str, Any] | None, targets: Sequence[Target] | None, log: Any
+                   ) -> dict[str, Any]:
     if targets is not None:
         return asyncio.run(_run_async(config, targets, log))
     if servers is not None:
