@@ -8,8 +8,8 @@ from pathlib import Path
 
 from agentkv._arguments import at_least, list_of
 
-__all__ = ["MODELS", "RATES", "REPO_ROOT", "ROUTER_VARIANTS", "ServeConfig", "add_arguments", "build_model",
-           "config_from_args", "router_command"]
+__all__ = ["FIRST_PROMPT_TOKENS", "MODELS", "RATES", "REPO_ROOT", "ROUTER_VARIANTS", "TURN_TOKENS", "ServeConfig",
+           "add_arguments", "build_model", "config_from_args", "router_command", "session_tokens"]
 
 RATES = list_of(at_least(float, 0.0, strict=True))  # --rates: session arrival rates, sessions/s
 
@@ -21,6 +21,19 @@ ROUTER_VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
     # kv_aware plus stickiness on the request's X-Session-ID (idle TTL 600 s)
     "kv_aware+affinity": ("kv_aware", ("--kv-aware-session-affinity-ttl-secs", "600")),
 }
+
+
+# The context a session of the app needs, about (measured with the models' tokenizer on the app's
+# sessions; a real run's 8 turns of 24 tokens peaked at 1,832): its first call's prompt (the
+# supervisor's anchor and the task), then per turn the reply (--max-tokens at most) and ~130 tokens
+# of tool call and result; the last call adds its own reply.
+FIRST_PROMPT_TOKENS = 740
+TURN_TOKENS = 130
+
+
+def session_tokens(turns: int, max_tokens: int) -> int:
+    """About the most context (prompt and reply) a call of a session of ``turns`` agent turns needs."""
+    return FIRST_PROMPT_TOKENS + (turns - 1) * (TURN_TOKENS + max_tokens) + max_tokens
 
 
 def router_command(name: str) -> tuple[str, tuple[str, ...]]:
@@ -57,6 +70,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         from agentkv.cluster import POLICIES  # light: no vLLM import
+        from agentkv.testing.tiny_model import MAX_POSITION_EMBEDDINGS  # both models' (light: no torch import)
 
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
@@ -75,10 +89,19 @@ class ServeConfig:
             raise ValueError("a router or routing key named twice would run one setup twice on the same replicas")
         if self.out.exists() and not self.out.is_dir():
             raise ValueError(f"--out {self.out} is a file, not a folder")
+        if self.max_model_len > MAX_POSITION_EMBEDDINGS:
+            raise ValueError(f"--max-model-len {self.max_model_len} is more than the models' "
+                             f"{MAX_POSITION_EMBEDDINGS} positions")
         if (self.blocks - 1) // self.replicas * self.block_size < self.max_model_len:  # vLLM would refuse to start
             split = f" split over {self.replicas} replicas" if self.replicas > 1 else ""
             raise ValueError(f"--blocks {self.blocks}{split} leaves less than --max-model-len {self.max_model_len} "
                              f"tokens{' per replica' if split else ''}")
+        if (need := session_tokens(self.turns, self.max_tokens)) > self.max_model_len:  # every late call would fail
+            most = (self.max_model_len - FIRST_PROMPT_TOKENS - self.max_tokens) // (TURN_TOKENS + self.max_tokens) + 1
+            fits = f"at most --turns {most} fit" if most >= 1 else "no turn fits"
+            raise ValueError(f"--turns {self.turns} with --max-tokens {self.max_tokens} needs about {need} tokens of "
+                             f"context, more than --max-model-len {self.max_model_len} ({fits}; or raise "
+                             "--max-model-len, with --blocks to hold it)")
 
     @property
     def replica_blocks(self) -> int:
@@ -118,8 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--blocks", type=at_least(int, 2), default=d.blocks,
                         help="--num-gpu-blocks-override of both servers")
-    parser.add_argument("--turns", type=at_least(int, 1), default=d.turns, help="agent turns per session")
-    parser.add_argument("--max-tokens", type=at_least(int, 1), default=d.max_tokens)
+    parser.add_argument("--max-model-len", type=at_least(int, 1), default=d.max_model_len,
+                        help="context of both servers, tokens (default %(default)s); --blocks must hold it")
+    parser.add_argument("--turns", type=at_least(int, 1), default=d.turns,
+                        help="agent turns per session (default %(default)s; refused when a session's last call "
+                             "would need more than --max-model-len: about 740 + (turns - 1) x (130 + --max-tokens) "
+                             "+ --max-tokens tokens)")
+    parser.add_argument("--max-tokens", type=at_least(int, 1), default=d.max_tokens, help="tokens per reply")
     parser.add_argument("--tool-gap", type=at_least(float, 0.0), default=d.tool_gap,
                         help="seconds each tool step takes")
     parser.add_argument("--concurrency", type=at_least(int, 1), default=d.concurrency,
@@ -154,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         model=args.model,
         seed=args.seed,
         blocks=args.blocks,
+        max_model_len=args.max_model_len,
         turns=args.turns,
         max_tokens=args.max_tokens,
         tool_gap=args.tool_gap,

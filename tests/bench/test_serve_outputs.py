@@ -1,15 +1,17 @@
 """What ``agentkv bench serve`` leaves in its output folder: strict JSON (no bare NaN), rewritten
-after every block, so that an interrupted run keeps what it measured."""
+after every block, so that an interrupted run keeps what it measured; and the sessions it refuses
+to plan (longer than the servers' context)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from agentkv.bench import serve
 from agentkv.bench.serve import run as serve_run
-from agentkv.bench.serve_args import ServeConfig
+from agentkv.bench.serve_args import REPO_ROOT, ServeConfig, session_tokens
 from agentkv.bench.serve_paired import Block, compare
 
 
@@ -96,3 +98,29 @@ def test_an_interrupted_command_says_where_its_blocks_are(monkeypatch, tmp_path,
         cli.main(argv)
     assert exited.value.code == 130 and len(ran) == 1
     assert capsys.readouterr().err.endswith(f"the blocks measured so far are in {tmp_path / 'serve.json'}\n")
+
+
+def test_sessions_longer_than_the_servers_context_are_refused_with_one_line():
+    import agentkv.__main__ as cli
+
+    assert ServeConfig().turns == 8 and ServeConfig(turns=9).turns == 9  # the default fits, one more too
+    with pytest.raises(SystemExit) as exited:  # vLLM refused every call of a session from about the 9th on
+        cli.main(["bench", "serve", "--turns", "10"])
+    assert str(exited.value.code) == (
+        "agentkv bench serve: --turns 10 with --max-tokens 24 needs about 2150 tokens of context, more than "
+        "--max-model-len 2048 (at most --turns 9 fit; or raise --max-model-len, with --blocks to hold it)")
+    with pytest.raises(ValueError, match=r"--max-tokens 1400 needs about 2140 tokens .* \(no turn fits;"):
+        ServeConfig(turns=1, max_tokens=1400)
+    assert ServeConfig(turns=20, max_model_len=4096).max_model_len == 4096  # 201 blocks hold 6,400 tokens
+    with pytest.raises(ValueError, match="less than --max-model-len 8192"):
+        ServeConfig(turns=20, max_model_len=8192)
+    with pytest.raises(ValueError, match="more than the models' 8192 positions"):
+        ServeConfig(max_model_len=9000, blocks=301)
+
+
+def test_the_context_estimate_covers_a_real_runs_longest_calls():
+    recorded = json.loads(Path(REPO_ROOT, "benchmarks/results/serve-warmup-session40.json").read_text())
+    config = recorded["config"]
+    longest = max(call[4] for row in recorded["rows"] for call in row["calls"])  # prompt tokens
+    assert (config["turns"], config["max_tokens"], longest) == (8, 24, 1808)
+    assert longest + config["max_tokens"] <= session_tokens(config["turns"], config["max_tokens"]) <= 2048
