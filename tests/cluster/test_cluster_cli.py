@@ -94,6 +94,10 @@ def test_cluster_up_and_down_from_the_command_line(tiny_model_dir: Path) -> None
                               headers=tag.to_headers())
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens"] == 2 * BLOCK
+        again = subprocess.run(_agentkv("cluster", "up", "--name", name, str(tiny_model_dir), "--block-size",
+                                        str(BLOCK)), cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                               timeout=180)
+        assert again.returncode == 1 and f"a cluster named {name!r} is already up" in again.stderr, again.stderr
 
         down = subprocess.run(_agentkv("cluster", "down", "--name", name), cwd=REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=180)
@@ -101,6 +105,9 @@ def test_cluster_up_and_down_from_the_command_line(tiny_model_dir: Path) -> None
         assert down.stdout.strip() == f"cluster {name!r} stopped"
         assert up.wait(timeout=30) == 0
         assert not state.exists()
+        twice = subprocess.run(_agentkv("cluster", "down", "--name", name), cwd=REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=180)
+        assert (twice.returncode, twice.stdout.strip()) == (0, f"no cluster named {name!r} is up")
         for replica in recorded["replicas"]:
             with pytest.raises(httpx.HTTPError):
                 httpx.get(replica + "/health", trust_env=False, timeout=2)
