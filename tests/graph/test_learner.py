@@ -163,7 +163,7 @@ def test_config_rejects_nonsense():
         LearnerConfig(epsilon=0)
     with pytest.raises(ValueError):
         LearnerConfig(half_life=-1)
-    with pytest.raises(ValueError, match="0.01"):  # 2 ** (-1 / 1e-4) is 0.0: the first call divided by zero
+    with pytest.raises(ValueError, match=r"0\.01"):  # 2 ** (-1 / 1e-4) is 0.0: the first call divided by zero
         LearnerConfig(half_life=1e-4)
     with pytest.raises(ValueError):
         LearnerConfig(max_agents=1)
