@@ -157,7 +157,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sync-interval", "AGENTKV_SYNC_INTERVAL", "SECONDS", "5", "seconds between pulls from the peers",
             _number(float, 0, above=True)),
     Setting("replica", "AGENTKV_REPLICA", "NAME", "host-pid", "this replica's name in exported learned state "
-            "(letters, digits, ._:@/-)", _wire_id),
+            "(letters, digits, ._:@/-); with a snapshot, host-HASH of its path: kept over restarts", _wire_id),
     Setting("control", "AGENTKV_CONTROL", "ENDPOINT", "a fresh ipc socket", "ZMQ endpoint between the API "
             "server and the EngineCore", _text),
     Setting("allow-lru-fallback", "AGENTKV_ALLOW_LRU_FALLBACK", "on|off", "off", "on: on an unsupported "

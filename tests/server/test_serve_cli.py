@@ -181,3 +181,25 @@ def test_the_flag_wins_over_the_variable_and_a_set_variable_is_the_fallback():
         check_environment({"AGENTKV_STRICT": "maybe"})
     with pytest.raises(SettingError, match="AGENTKV_PEER_WEIGHT takes a number > 0, not '-1'"):
         check_environment({"AGENTKV_PEER_WEIGHT": "-1"})
+
+
+def test_the_default_replica_name_outlives_a_restart_with_the_same_snapshot(tmp_path, monkeypatch):
+    """A restarted replica restores its snapshot's counts: under a new name (``host-pid``) every peer
+    kept its old export beside the new one and counted the same evidence twice."""
+    from agentkv.protocol import validate_id
+    from server_patch._config import RuntimeConfig
+
+    monkeypatch.setattr("socket.gethostname", lambda: "node-7")
+    monkeypatch.chdir(tmp_path)
+    named = {}
+    for pid in (101, 202):
+        monkeypatch.setattr("os.getpid", lambda pid=pid: pid)
+        named[pid] = (RuntimeConfig.from_env({"AGENTKV_SNAPSHOT": "state.json"}).replica,
+                      RuntimeConfig.from_env({}).replica)
+    absolute = RuntimeConfig.from_env({"AGENTKV_SNAPSHOT": str(tmp_path / "state.json")}).replica
+    assert named[101][0] == named[202][0] == absolute
+    assert named[101][0].startswith("node-7-") and validate_id(named[101][0], "replica")
+    assert (named[101][1], named[202][1]) == ("node-7-101", "node-7-202")  # no snapshot: a restart starts from zero
+    copy = RuntimeConfig.from_env({"AGENTKV_SNAPSHOT": str(tmp_path / "seed" / "state.json")}).replica
+    assert copy != named[101][0]  # a trained snapshot copied to seed another replica: a name of its own
+    assert RuntimeConfig.from_env({"AGENTKV_SNAPSHOT": "state.json", "AGENTKV_REPLICA": "pod-1"}).replica == "pod-1"

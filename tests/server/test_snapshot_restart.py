@@ -36,9 +36,13 @@ def _learn(server: VLLMServer, pipeline: tuple[str, ...], sessions: int = 4) -> 
                 client.post("/v1/completions", json=body, headers=tag.to_headers()).raise_for_status()
 
 
-def _transitions(server: VLLMServer) -> dict[str, dict[str, float]]:
+def _stats(server: VLLMServer) -> dict:
     with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as client:
-        return client.get(STATS_PATH).json()["transitions"]
+        return client.get(STATS_PATH).json()
+
+
+def _transitions(server: VLLMServer) -> dict[str, dict[str, float]]:
+    return _stats(server)["transitions"]
 
 
 def _knows(transitions: dict[str, dict[str, float]], pipeline: tuple[str, ...]) -> bool:
@@ -80,9 +84,12 @@ def test_learned_state_survives_sigint_sigterm_and_sigkill(tiny_model_dir: Path,
         ("SIGTERM", lambda s: os.kill(s.pid, signal.SIGTERM)),
         ("SIGKILL", lambda s: (_wait_saved(snapshot, pipelines[2]), os.killpg(s.pid, signal.SIGKILL))),
     ]
+    replicas = []
     for number, (pipeline, (name, stop)) in enumerate(zip(pipelines, stops, strict=True)):
         with VLLMServer(spec, log_path=tmp_path / f"server-{number}.log") as server:
-            transitions = _transitions(server)
+            stats = _stats(server)
+            transitions = stats["transitions"]
+            replicas.append(stats["learner"]["replica"])
             for known in pipelines[:number]:
                 _assert_knows(transitions, known)  # restored from the snapshot the last stop left
             assert control.exists()
@@ -92,6 +99,9 @@ def test_learned_state_survives_sigint_sigterm_and_sigkill(tiny_model_dir: Path,
         assert snapshot.exists(), f"no snapshot after {name}"
         # a server that could shut down takes its control socket file along (none piles up in /tmp)
         assert control.exists() == (name == "SIGKILL"), name
+    # AGENTKV_REPLICA unset: the restored counts keep their name, so a peer replaces their old export
+    # (a new name would sit beside the old one, the same evidence counted twice)
+    assert len(set(replicas)) == 1, replicas
     # the restore path is proven above; a fourth start would only read the same file
     learner, _ = load_snapshot(snapshot)
     for pipeline in pipelines:
