@@ -148,8 +148,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(the rest summed as (other)); also the recent sessions listed", _number(int, 1)),
     Setting("max-peers", "AGENTKV_MAX_PEERS", "N", "32", "replicas whose learned counts are kept",
             _number(int, 1)),
-    Setting("peer-weight", "AGENTKV_PEER_WEIGHT", "X", "4", "a merged peer's counts weigh at most this "
-            "multiple of the local evidence", _number(float, 0, above=True)),
+    Setting("peer-weight", "AGENTKV_PEER_WEIGHT", "X", "4", "the merged peers' counts (each peer's, and all "
+            "together) weigh at most this multiple of the local evidence", _number(float, 0, above=True)),
     Setting("peer-api-key", "AGENTKV_PEER_API_KEY", "KEY", "this server's key", "key sent to the peers "
             "when pulling their learned counts", _text),
     Setting("peers", "AGENTKV_PEERS", "URL,URL", "none", "base URLs of other replicas whose learned counts "

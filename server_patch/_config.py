@@ -48,7 +48,7 @@ class RuntimeConfig:
     listed_agents: int = 64  # stats and /metrics list the top agents by traffic, the rest as OTHER
     tracked_agents: int = 1024  # per-agent counters kept; later agents are counted as OTHER
     max_peers: int = 32
-    peer_weight: float = 4.0  # a peer's counts weigh at most this multiple of the local evidence
+    peer_weight: float = 4.0  # the peers' counts (each, and all together) weigh at most this x the local evidence
     replica: str = field(default_factory=lambda: _default_replica(None))
 
     @classmethod

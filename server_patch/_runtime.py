@@ -96,6 +96,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             self.learner, self.facts = TransitionLearner(self.config.learner), GraphFacts()
         self.learner.clock = clock
         self.learner.peers.max_replicas = self.config.max_peers
+        self.learner.peers.peer_weight = self.config.peer_weight
         self.predictor = Predictor(self.learner, self.facts)
         self.timing = SessionTiming()
         self.tracker = BlockTracker(untag_sessionless=not self.config.recognize)

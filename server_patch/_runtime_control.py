@@ -12,6 +12,7 @@ from typing import Any
 from vllm.v1.core.block_pool import BlockPool
 
 from agentkv.graph import (
+    PEER_WEIGHT_FLOOR,
     FactsFull,
     GraphFacts,
     PeerExport,
@@ -42,7 +43,6 @@ from ._warmups import WarmupLedger
 
 __all__ = ["PEER_WEIGHT_FLOOR", "STATS_MAX_AGE", "RuntimeControl"]
 
-PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
 _MAX_VIEW_AGENTS = 64  # anchors a view reports: warm-up targets are agents active lately
 
 
@@ -295,8 +295,9 @@ class RuntimeControl:
         return 6.0 / (1.0 - 2.0 ** (-1.0 / half_life))
 
     def _bounded_influence(self, export: PeerExport) -> PeerExport:
-        """Scale a peer's counts down to at most ``peer_weight`` x this replica's own evidence
-        (at least ``peer_weight`` x PEER_WEIGHT_FLOOR): a peer can inform, never drown, the local model."""
+        """Scale a peer's counts down to at most ``peer_weight`` x this replica's own evidence (at
+        least ``peer_weight`` x PEER_WEIGHT_FLOOR), so that one heavy peer cannot take the share of
+        the others; all of them together are bounded alike where they are summed (``PeerCounts.aligned``)."""
         own = self.learner.export_counts(self.config.replica, self.epoch).total_weight()
         cap = self.config.peer_weight * max(own, PEER_WEIGHT_FLOOR)
         total = export.total_weight()

@@ -6,7 +6,7 @@ Pure Python + numpy + networkx; shared by the client and the vLLM server extensi
 from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
 from ._passage import PassageBuilder, first_passage_steps, first_passage_within, padded_passage
-from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PeerExport
+from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PEER_WEIGHT_FLOOR, PeerExport
 from ._predictor import ChainModel, Prediction, Predictor, top_successors
 from ._reuse import (
     UNCACHED,
@@ -36,6 +36,7 @@ __all__ = [
     "COUNTS_FORMAT",
     "COUNTS_VERSION",
     "END",
+    "PEER_WEIGHT_FLOOR",
     "SNAPSHOT_VERSION",
     "START",
     "UNCACHED",

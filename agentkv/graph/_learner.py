@@ -319,8 +319,12 @@ class TransitionLearner:
 
     def _merged(self, part: int) -> np.ndarray:
         n = len(self._names)  # only the part asked for (``_own`` divides all four)
-        own = (self._counts[:n, :n], self._entry[:n], self._ends[:n], self._interposed[:n])[part] / self._weight
-        return own + self.peers.aligned(self._names)[part] if self.peers.version else own
+        parts = (self._counts[:n, :n], self._entry[:n], self._ends[:n], self._interposed[:n])
+        own = parts[part] / self._weight
+        if not self.peers.version:
+            return own
+        own_weight = sum(float(p.sum()) for p in parts) / self._weight  # the peers' bound scales with it
+        return own + self.peers.aligned(self._names, own_weight)[part]
 
     def counts(self) -> np.ndarray:
         """Decayed transition counts among ``agents`` (row: from, column: to), peers' included."""

@@ -3,7 +3,8 @@
 Each replica exports the counts it learned from its own traffic. A peer's export replaces
 that peer's previous one (merging is a per-peer last-writer-wins map, so re-applying an
 export, or applying an older one, changes nothing); the model a replica predicts with is
-its own counts plus the latest export of every peer.
+its own counts plus the latest export of every peer, all peers together scaled down to weigh at
+most ``peer_weight`` times its own evidence.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import numpy as np
 from agentkv._bounded import BoundedDict
 from agentkv.protocol import InvalidMetadata, validate_id
 
-__all__ = ["COUNTS_FORMAT", "COUNTS_VERSION", "PeerCounts", "PeerExport"]
+__all__ = ["COUNTS_FORMAT", "COUNTS_VERSION", "PEER_WEIGHT_FLOOR", "PeerCounts", "PeerExport"]
 
 COUNTS_FORMAT = "agentkv.transition-counts"
 COUNTS_VERSION = 1
+PEER_WEIGHT_FLOOR = 64.0  # the local evidence a fresh replica is credited with when bounding peers
 
 
 @dataclass(frozen=True)
@@ -106,16 +108,18 @@ class PeerCounts:
 
     Invariants: ``_latest[replica]`` is the export with the greatest (epoch change,
     sequence) seen from that replica; a new epoch (the peer restarted) always replaces;
-    at most ``max_replicas`` peers are kept, the least recently updated one leaving first.
+    at most ``max_replicas`` peers are kept, the least recently updated one leaving first;
+    together they weigh at most ``peer_weight`` x the local evidence (``aligned``).
     """
 
-    def __init__(self, max_replicas: int = 32) -> None:
+    def __init__(self, max_replicas: int = 32, peer_weight: float = math.inf) -> None:
         if max_replicas < 1:
             raise ValueError("max_replicas must be >= 1")
         self._latest: BoundedDict[str, PeerExport] = BoundedDict(max_replicas)
+        self.peer_weight = peer_weight
         self.version = 0
         self._cache_key: tuple[int, tuple[str, ...]] | None = None
-        self._cache: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._cache: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], float] | None = None
 
     @property
     def max_replicas(self) -> int:
@@ -141,8 +145,12 @@ class PeerCounts:
     def replicas(self) -> dict[str, int]:
         return {replica: export.sequence for replica, export in self._latest.items()}
 
-    def aligned(self, agents: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(counts, entry, ends, interposed) of all peers, rows and columns in ``agents`` order."""
+    def aligned(self, agents: Sequence[str], own_weight: float) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                         np.ndarray]:
+        """(counts, entry, ends, interposed) of all peers, rows and columns in ``agents`` order, scaled
+        down together (each peer's distribution and share kept) to weigh at most ``peer_weight`` x
+        ``own_weight``, the local counts' total (at least ``PEER_WEIGHT_FLOOR``): however many names
+        send counts, the peers inform a fresh replica but cannot drown an experienced one."""
         key = (self.version, tuple(agents))
         if self._cache_key != key or self._cache is None:
             n = len(agents)
@@ -156,8 +164,14 @@ class PeerCounts:
                 entry[target] += export.entry[keep]
                 ends[target] += export.ends[keep]
                 interposed[target] += export.interposed[keep]
-            self._cache_key, self._cache = key, (counts, entry, ends, interposed)
-        return self._cache
+            total = float(counts.sum() + entry.sum() + ends.sum() + interposed.sum())
+            self._cache_key, self._cache = key, ((counts, entry, ends, interposed), total)
+        parts, total = self._cache
+        cap = self.peer_weight * max(own_weight, PEER_WEIGHT_FLOOR)
+        if total <= cap:
+            return parts
+        factor = cap / total
+        return parts[0] * factor, parts[1] * factor, parts[2] * factor, parts[3] * factor
 
 
 def _is_int(value: object) -> bool:

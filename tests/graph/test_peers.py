@@ -73,3 +73,20 @@ def test_exports_carry_own_counts_only():
 def test_bad_exports_are_refused(document):
     with pytest.raises(ValueError):
         PeerExport.from_json(document)
+
+
+def test_all_peers_together_are_scaled_to_the_bound_keeping_their_shares():
+    from agentkv.graph import PEER_WEIGHT_FLOOR
+    from agentkv.graph._peers import PeerCounts
+
+    def export(replica: str, counts: list[list[float]]) -> PeerExport:
+        return PeerExport(replica, "e", 1, ("a", "b"), np.array(counts), np.zeros(2), np.zeros(2), np.zeros(2))
+
+    peers = PeerCounts(peer_weight=2.0)
+    assert peers.merge(export("r1", [[0.0, 300.0], [0.0, 0.0]]))
+    assert peers.merge(export("r2", [[0.0, 0.0], [100.0, 0.0]]))
+    counts = peers.aligned(["a", "b"], own_weight=150.0)[0]  # 2 x 150 for both together, their shares (3:1) kept
+    assert counts.tolist() == [pytest.approx([0.0, 225.0]), pytest.approx([75.0, 0.0])]
+    assert peers.aligned(["a", "b"], own_weight=0.0)[0].sum() == pytest.approx(2.0 * PEER_WEIGHT_FLOOR)
+    assert peers.aligned(["a", "b"], own_weight=1000.0)[0].tolist() == [[0.0, 300.0], [100.0, 0.0]]  # as sent
+    assert PeerCounts().peer_weight == float("inf")  # a learner alone merges its peers unscaled

@@ -16,7 +16,7 @@ from agentkv.protocol import EVENTS_PATH, MERGE_PATH, STATE_PATH, STATS_PATH
 from server_patch._control import ControlServer, ask
 from server_patch._guard import ApiKeyGuard, BodyError, json_depth, parse_json
 from server_patch._persist import PeriodicSave
-from server_patch._runtime import OTHER, AgentKVRuntime, RuntimeConfig
+from server_patch._runtime import OTHER, PEER_WEIGHT_FLOOR, AgentKVRuntime, RuntimeConfig
 from server_patch._tracker import AnchorLengths
 from server_patch.middleware import AgentKVMiddleware
 
@@ -341,12 +341,40 @@ def test_a_peer_weighs_at_most_a_multiple_of_the_local_evidence():
     assert own > 64
     heavy = _export("heavy", [[0, 0, 10_000], [0, 0, 0], [0, 0, 0]])
     assert runtime.merge(heavy) == {"merged": True}
-    merged = runtime.learner.peers.aligned(runtime.learner.agents)[0]
+    merged = runtime.learner.peers.aligned(runtime.learner.agents, own)[0]
     assert merged.sum() == pytest.approx(4.0 * own)  # scaled down, its distribution kept
     light = _export("light", [[0, 5, 0], [0, 0, 0], [0, 0, 0]])
     runtime.merge(light)
-    coder = runtime.learner.agents.index("coder")
-    assert runtime.learner.peers.aligned(runtime.learner.agents)[0][:, coder].sum() == 5  # untouched
+    coder, critic = runtime.learner.agents.index("coder"), runtime.learner.agents.index("critic")
+    merged = runtime.learner.peers.aligned(runtime.learner.agents, own)[0]
+    assert merged.sum() == pytest.approx(4.0 * own)  # both together, too
+    assert merged[:, coder].sum() / merged[:, critic].sum() == pytest.approx(5 / (4.0 * own))  # light: unscaled
+
+
+def test_many_peers_together_weigh_at_most_a_multiple_of_the_local_evidence():
+    """Each merged peer was bounded alone: 32 made-up replica names outweighed the local model 128 times."""
+    runtime = AgentKVRuntime(RuntimeConfig(peer_weight=4.0))
+    for s in range(200):
+        for agent in ("planner", "coder"):
+            runtime.learner.observe(agent, f"s{s}")
+    learner = runtime.learner
+    own = learner.export_counts("me", "e").total_weight()
+    planner, coder = learner.agents.index("planner"), learner.agents.index("coder")
+    own_planner_to_coder = learner.counts()[planner, coder]
+    for number in range(32):
+        assert runtime.merge({**_export(f"fake-{number}", [[0, 0, 10_000], [0, 0, 0], [0, 0, 0]]),
+                              "entry": [0, 0, 10_000]}) == {"merged": True}
+    assert len(learner.peers.replicas()) == 32
+    merged = sum(float(part.sum()) for part in (learner.counts(), learner.entry_counts(), learner.end_counts(),
+                                                learner.interposed_counts()))
+    assert merged == pytest.approx(own + 4.0 * own)  # all 32 together: 4 x own, not 32 x 4 x own
+    critic = learner.agents.index("critic")
+    assert learner.counts()[planner, critic] == pytest.approx(learner.entry_counts()[critic])  # their distribution
+    assert learner.counts()[planner, coder] == own_planner_to_coder  # the local counts untouched
+    fresh = AgentKVRuntime(RuntimeConfig(peer_weight=4.0))
+    for number in range(32):
+        fresh.merge(_export(f"fake-{number}", [[0, 0, 100], [0, 0, 0], [0, 0, 0]]))
+    assert fresh.learner.counts().sum() == pytest.approx(4.0 * PEER_WEIGHT_FLOOR)  # a fresh replica is informed
 
 
 def test_anchor_lengths_forget_the_least_recent_agents():
