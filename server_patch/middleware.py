@@ -128,6 +128,7 @@ class AgentKVMiddleware:
         peers = env_text(os.environ, "AGENTKV_PEERS")  # base URLs, each scheme://host[:port]
         self.peers = peers.split(",") if peers else []
         self.sync_interval = env_number(os.environ, "AGENTKV_SYNC_INTERVAL", 5.0)
+        self.peer_key = env_text(os.environ, "AGENTKV_PEER_API_KEY")  # else this server's own key
         self.sync_failures: Counter[str] = Counter()  # per peer; the first failure is logged
         self._sync_task: asyncio.Task[None] | None = None
         self._guard: ApiKeyGuard | None = None
@@ -321,7 +322,7 @@ class AgentKVMiddleware:
     async def _sync_forever(self) -> None:
         """Pull every peer's own counts and merge them into this replica's engine, each peer in a loop
         of its own: one slow or endless peer delays none of the others, nor itself past ``_PEER_DEADLINE``."""
-        key = os.environ.get("AGENTKV_PEER_API_KEY") or next(iter(self._guard.tokens if self._guard else ()), "")
+        key = self.peer_key or next(iter(self._guard.tokens if self._guard else ()), "")
         headers = {"Authorization": f"Bearer {key}"} if key else None
         async with httpx.AsyncClient(timeout=2.0, trust_env=False, headers=headers) as client:
             await asyncio.gather(*(self._sync_peer(client, peer) for peer in self.peers))

@@ -441,3 +441,51 @@ async def test_a_peer_that_never_finishes_its_answer_holds_up_no_other(runtime_e
         task.cancel()
         slow.close()
         fast.close()
+
+
+class _KeyRecorder(http.server.ThreadingHTTPServer):
+    """A replica on loopback that records the Authorization header of every pull (and answers 404)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.keys: list[str | None] = []
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                peer.keys.append(self.headers.get("Authorization"))
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+@pytest.mark.parametrize(("configured", "sent"), [("peer-key", "Bearer peer-key"), ("  ", "Bearer own-key")])
+async def test_the_peer_key_is_read_as_agentkv_serve_reads_it(runtime_endpoint, monkeypatch, configured, sent):
+    """AGENTKV_PEER_API_KEY is a setting like every other: a blank value is unset (this server's own
+    key goes), as ``agentkv serve`` has it; it was read raw, and a blank key was sent as the key."""
+    from server_patch._guard import ApiKeyGuard
+
+    monkeypatch.setenv("AGENTKV_PEER_API_KEY", configured)
+    monkeypatch.setenv("AGENTKV_SYNC_INTERVAL", "0.05")
+    middleware = AgentKVMiddleware(echo_app)
+    middleware._guard = ApiKeyGuard(["own-key"])  # the key vLLM was started with
+    peer = _KeyRecorder()
+    middleware.peers = [f"http://127.0.0.1:{peer.server_address[1]}"]
+    task = asyncio.create_task(middleware._sync_forever())
+    try:
+        for _ in range(100):
+            if peer.keys:
+                break
+            await asyncio.sleep(0.05)
+        assert peer.keys and set(peer.keys) == {sent}
+    finally:
+        task.cancel()
+        peer.shutdown()
+        peer.server_close()
