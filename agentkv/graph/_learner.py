@@ -466,6 +466,8 @@ class TransitionLearner:
             raise ValueError("dispatches, predictions and correct must be integers in [0, 2**62)")
         n = len(agents)
         counts = np.asarray(state["counts"], dtype=float)
+        if n == 0 and counts.size == 0:  # nothing learned yet: JSON's [] reads as shape (0,), not (0, 0)
+            counts = counts.reshape(0, 0)
         entry = np.asarray(state["entry"], dtype=float)
         ends = np.asarray(state["ends"], dtype=float)
         interposed = np.asarray(state.get("interposed", [0.0] * n), dtype=float)

@@ -87,6 +87,16 @@ def test_snapshot_round_trip(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["learned.json"]  # no temp files left
 
 
+def test_a_snapshot_of_nothing_learned_yet_is_restored(tmp_path):
+    """A server that learned nothing saves at shutdown all the same; its next start refused that
+    file as corrupt, moved it aside and lost the graph it held."""
+    _, facts = _trained()
+    path = tmp_path / "learned.json"
+    save_snapshot(path, TransitionLearner(), facts)
+    restored, restored_facts = load_snapshot(path)
+    assert restored.agents == [] and restored_facts.export() == facts.export()
+
+
 _LEARNER = ('{"format": "agentkv.learned-state", "version": 1, "learner": {"agents": %s, "counts": %s, '
             '"entry": %s, "ends": %s, "dispatches": %s}}')
 
