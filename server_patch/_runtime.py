@@ -22,18 +22,15 @@ from vllm.v1.request import Request
 from agentkv.graph import (
     UNCACHED,
     GapTable,
-    GraphFacts,
     Group,
     History,
     PassageBuilder,
     Predictor,
     ReuseTable,
     SessionTiming,
-    TransitionLearner,
     first_passage_steps,
     padded_passage,
     recency_scorer,
-    restore_or_fresh,
     score_reuse,
 )
 from agentkv.protocol import AgentTag, MalformedCounter
@@ -90,13 +87,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self.config = config or RuntimeConfig()
         self.clock = clock
         self.epoch = uuid.uuid4().hex  # a restarted replica's exports replace its old ones
-        if self.config.snapshot_path:
-            self.learner, self.facts = restore_or_fresh(self.config.snapshot_path, self.config.learner)
-        else:
-            self.learner, self.facts = TransitionLearner(self.config.learner), GraphFacts()
+        self._restore()
         self.learner.clock = clock
-        self.learner.peers.max_replicas = self.config.max_peers
-        self.learner.peers.peer_weight = self.config.peer_weight
         self.predictor = Predictor(self.learner, self.facts)
         self.timing = SessionTiming()
         self.tracker = BlockTracker(untag_sessionless=not self.config.recognize)
@@ -120,9 +112,6 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self._answer_sessions: OrderedDict[str, str] = OrderedDict()
         self._quoting: OrderedDict[str, str] = OrderedDict()
         self.queue_lengths: Callable[[], tuple[int, int]] | None = None  # set by the scheduler
-        self._saved_version: tuple[int, int] | None = None
-        self._writing = threading.Lock()
-        self._copies = self._written = 0
         self._scored_version: tuple[int, int, int] | None = None
         self._scored_at = -math.inf
         self._scored_policy: tuple[str, int] | None = None

@@ -21,6 +21,7 @@ from agentkv.graph import (
     ReuseTable,
     SessionTiming,
     TransitionLearner,
+    restore_snapshot,
     snapshot_document,
     top_successors,
     write_snapshot,
@@ -258,6 +259,18 @@ class RuntimeControl:
                 "decay": self.config.decay,
             },
         }
+
+    def _restore(self) -> None:
+        """Start from the snapshot's learned state if one is configured and readable, else fresh.
+        A restored state is what the file holds: no save rewrites it before something changes."""
+        path = self.config.snapshot_path
+        restored = restore_snapshot(path, self.config.learner) if path else None
+        self.learner, self.facts = restored or (TransitionLearner(self.config.learner), GraphFacts())
+        self.learner.peers.max_replicas = self.config.max_peers
+        self.learner.peers.peer_weight = self.config.peer_weight
+        self._saved_version = None if restored is None else (self.learner.version, self.facts.version)
+        self._writing = threading.Lock()
+        self._copies = self._written = 0
 
     def save(self) -> None:
         """Write the snapshot: the learned state is copied under the engine's lock and encoded and

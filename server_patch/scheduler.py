@@ -87,7 +87,7 @@ class _AgentKVMixin:
         try:
             if self._agentkv_saver is not None:
                 self._agentkv_saver.close()
-            self.agentkv.save()
+            self.agentkv.save_if_changed()  # the middleware's save at SIGINT/SIGTERM may have written it
         finally:
             self._agentkv_control.close()
             super().shutdown()  # type: ignore[misc]

@@ -13,7 +13,7 @@ from typing import Any
 from ._facts import GraphFacts
 from ._learner import LearnerConfig, TransitionLearner
 
-__all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "SnapshotError", "load_snapshot", "restore_or_fresh", "save_snapshot",
+__all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "SnapshotError", "load_snapshot", "restore_snapshot", "save_snapshot",
            "snapshot_document", "write_snapshot"]
 
 SNAPSHOT_FORMAT = "agentkv.learned-state"
@@ -106,14 +106,14 @@ def load_snapshot(
     return learner, facts
 
 
-def restore_or_fresh(
+def restore_snapshot(
     path: str | os.PathLike[str], config: LearnerConfig | None = None
-) -> tuple[TransitionLearner, GraphFacts]:
-    """Restore from ``path`` if it exists; on any SnapshotError log why, move the refused file aside
-    (``PATH.refused-<unix time>``: the next save would replace it, and it may be a newer agentkv's or
-    worth a look) and start fresh."""
+) -> tuple[TransitionLearner, GraphFacts] | None:
+    """The state saved at ``path``; None, to start fresh, when there is none or on any SnapshotError:
+    then log why and move the refused file aside (``PATH.refused-<unix time>``: the next save would
+    replace it, and it may be a newer agentkv's or worth a look)."""
     if not Path(path).exists():
-        return TransitionLearner(config), GraphFacts()
+        return None
     try:
         return load_snapshot(path, config)
     except SnapshotError as exc:
@@ -124,4 +124,4 @@ def restore_or_fresh(
         except OSError as move:
             where = f"could not be moved aside ({move}): the next save replaces it"
         logger.warning("agentkv: refusing snapshot, starting with fresh learned state (the file %s): %s", where, exc)
-        return TransitionLearner(config), GraphFacts()
+        return None

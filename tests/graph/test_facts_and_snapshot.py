@@ -15,7 +15,7 @@ from agentkv.graph import (
     SnapshotError,
     TransitionLearner,
     load_snapshot,
-    restore_or_fresh,
+    restore_snapshot,
     save_snapshot,
 )
 from agentkv.protocol import validate_events
@@ -130,18 +130,16 @@ def test_bad_snapshots_are_refused_with_a_reason(tmp_path, content, reason):
         load_snapshot(path)
 
 
-def test_restore_or_fresh_starts_fresh_and_says_why(tmp_path, caplog):
+def test_a_refused_snapshot_restores_nothing_and_says_why(tmp_path, caplog):
     path = tmp_path / "learned.json"
     path.write_text(json.dumps({"format": "agentkv.learned-state", "version": 0}))
     with caplog.at_level(logging.WARNING, logger="agentkv.graph"):
-        learner, facts = restore_or_fresh(path, LearnerConfig(max_agents=8))
-    assert learner.agents == [] and not facts.has_graph
+        assert restore_snapshot(path, LearnerConfig(max_agents=8)) is None  # the server starts fresh
     assert "refusing snapshot" in caplog.text and "version 0" in caplog.text
     [kept] = tmp_path.glob("learned.json.refused-*")  # set aside, not left for the next save to replace
     assert not path.exists() and json.loads(kept.read_text()) == {"format": "agentkv.learned-state", "version": 0}
     assert str(kept) in caplog.text
-    learner, _ = restore_or_fresh(tmp_path / "missing.json")
-    assert learner.agents == []
+    assert restore_snapshot(tmp_path / "missing.json") is None
 
 
 def test_a_snapshot_path_that_is_no_regular_file_is_refused_not_waited_on(tmp_path):

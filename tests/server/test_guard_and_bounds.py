@@ -229,6 +229,25 @@ def test_save_if_changed_and_the_save_op(tmp_path):
     assert not list(tmp_path.glob(".state.json.*"))  # written atomically: no temp file left
 
 
+def test_a_restored_snapshot_is_not_written_again_until_something_changes(tmp_path):
+    """A restored state is what its file holds: the first save (periodic, the save op, shutdown's)
+    rewrote the identical file all the same."""
+    path = tmp_path / "state.json"
+    trained = AgentKVRuntime(RuntimeConfig(snapshot_path=str(path)))
+    _learn_planner_to_coder(trained)
+    trained.save()
+    written = path.stat().st_ino  # a save writes a new file and renames it over the old one
+    restored = AgentKVRuntime(RuntimeConfig(snapshot_path=str(path)))
+    assert set(restored.learner.agents) == {"planner", "coder", "critic"}
+    assert restored.handle({"op": "save"}) == {"saved": False} and not restored.save_if_changed()
+    assert path.stat().st_ino == written
+    restored.learner.observe("planner", "new")
+    assert restored.handle({"op": "save"}) == {"saved": True} and path.stat().st_ino != written
+    path.write_text("{}")  # refused at start (moved aside): the first save writes the fresh state
+    assert AgentKVRuntime(RuntimeConfig(snapshot_path=str(path))).save_if_changed()
+    assert load_snapshot(path)[0].agents == []
+
+
 def test_a_snapshot_is_written_outside_the_engine_lock(tmp_path, monkeypatch):
     """A slow disk (here a write that takes 0.5 s) never holds up a scheduler step: the engine's lock
     is free while the snapshot is encoded and written; the save op, which holds it, still saves."""

@@ -27,6 +27,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from agentkv.graph import TransitionLearner, save_snapshot
 from agentkv.protocol import AgentTag
 from server_patch._control import ask_blocking
 from server_patch.scheduler import AgentKVAsyncScheduler, AgentKVScheduler
@@ -185,6 +186,22 @@ def test_on_a_vllm_the_gate_refuses_the_opted_in_fallback_leaves_vllm_untouched(
     assert stats["enabled"] is False and stats["policy"] == "lru" and stats["dispatches"] == 0
     scheduler.shutdown()
     assert snapshot.read_text() == "kept as it was"
+
+
+def test_a_restored_snapshot_is_not_rewritten_by_an_engine_that_learned_nothing(make, monkeypatch, tmp_path):
+    """The EngineCore's shutdown saved unconditionally, and a restored state counted as never saved:
+    every stop rewrote the file it started from (after the middleware's save had, too)."""
+    snapshot = tmp_path / "learned.json"
+    learner = TransitionLearner()
+    for agent in ("planner", "coder") * 3:
+        learner.observe(agent, session="s")
+    save_snapshot(snapshot, learner)
+    written = snapshot.stat().st_ino  # a save writes a new file and renames it over the old one
+    monkeypatch.setenv("AGENTKV_SNAPSHOT", str(snapshot))
+    scheduler = make(AgentKVScheduler, NUM_BLOCKS)
+    assert scheduler.agentkv.learner.agents == ["planner", "coder"]
+    scheduler.shutdown()
+    assert snapshot.stat().st_ino == written
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
