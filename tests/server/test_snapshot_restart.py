@@ -1,10 +1,11 @@
 """Learned state survives every way a user stops a real server (issue 13, item 8).
 
 One snapshot file, three consecutive servers: each learns a new pipeline and is stopped one way
-(SIGINT or SIGTERM to its pid, as Ctrl-C or ``kill`` does; SIGKILL to the whole group once a
-periodic save holds what it learned); the next one must start knowing every pipeline learned so far, and after
-the SIGKILL the file must hold all three. A server that shut down (SIGINT, SIGTERM) leaves no
-control socket file behind.
+(SIGKILL to the whole group once a periodic save holds what it learned; SIGINT or SIGTERM to its pid,
+as Ctrl-C or ``kill`` does); the next one must start knowing every pipeline learned so far (the one
+after the SIGKILL on the control socket path the killed one left behind), and at the end the file
+must hold all three. A server that shut down (SIGINT, SIGTERM) leaves no control socket file behind;
+one started with ``AGENTKV_SNAPSHOT_INTERVAL=0`` saves at its shutdown only.
 """
 
 from __future__ import annotations
@@ -73,19 +74,21 @@ def _wait_saved(snapshot: Path, pipeline: tuple[str, ...], timeout: float = 60.0
 
 
 @pytest.mark.timeout(2400)  # three server starts, minutes each on a busy 2-core machine
-def test_learned_state_survives_sigint_sigterm_and_sigkill(tiny_model_dir: Path, tmp_path: Path):
+def test_learned_state_survives_sigkill_sigint_and_sigterm(tiny_model_dir: Path, tmp_path: Path):
     snapshot, control = tmp_path / "state.json", tmp_path / "control.ipc"
-    spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
-                      env={"AGENTKV_SNAPSHOT": str(snapshot), "AGENTKV_SNAPSHOT_INTERVAL": str(INTERVAL),
-                           "AGENTKV_CONTROL": f"ipc://{control}"})
+    env = {"AGENTKV_SNAPSHOT": str(snapshot), "AGENTKV_CONTROL": f"ipc://{control}"}
     pipelines = [("plan", "code", "test"), ("ask", "search", "answer"), ("draft", "edit", "publish")]
+    # (how it stops, AGENTKV_SNAPSHOT_INTERVAL): the SIGKILL first, so that the next server finds the
+    # control socket's file the killed one left and takes it over; the SIGINT one saves at shutdown only
     stops = [
-        ("SIGINT", lambda s: os.kill(s.pid, signal.SIGINT)),
-        ("SIGTERM", lambda s: os.kill(s.pid, signal.SIGTERM)),
-        ("SIGKILL", lambda s: (_wait_saved(snapshot, pipelines[2]), os.killpg(s.pid, signal.SIGKILL))),
+        ("SIGKILL", INTERVAL, lambda s: (_wait_saved(snapshot, pipelines[0]), os.killpg(s.pid, signal.SIGKILL))),
+        ("SIGINT", 0.0, lambda s: (_assert_not_saved(snapshot, pipelines[1]), os.kill(s.pid, signal.SIGINT))),
+        ("SIGTERM", INTERVAL, lambda s: os.kill(s.pid, signal.SIGTERM)),
     ]
     replicas = []
-    for number, (pipeline, (name, stop)) in enumerate(zip(pipelines, stops, strict=True)):
+    for number, (pipeline, (name, interval, stop)) in enumerate(zip(pipelines, stops, strict=True)):
+        spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
+                          env={**env, "AGENTKV_SNAPSHOT_INTERVAL": str(interval)})
         with VLLMServer(spec, log_path=tmp_path / f"server-{number}.log") as server:
             stats = _stats(server)
             transitions = stats["transitions"]
@@ -102,10 +105,15 @@ def test_learned_state_survives_sigint_sigterm_and_sigkill(tiny_model_dir: Path,
     # AGENTKV_REPLICA unset: the restored counts keep their name, so a peer replaces their old export
     # (a new name would sit beside the old one, the same evidence counted twice)
     assert len(set(replicas)) == 1, replicas
-    # the restore path is proven above; a fourth start would only read the same file
     learner, _ = load_snapshot(snapshot)
     for pipeline in pipelines:
         _assert_knows(_as_transitions(learner), pipeline)
+
+
+def _assert_not_saved(snapshot: Path, pipeline: tuple[str, ...]) -> None:
+    """AGENTKV_SNAPSHOT_INTERVAL=0: no periodic save, so what the server learned is not on disk yet."""
+    time.sleep(3 * INTERVAL)
+    assert not _knows(_as_transitions(load_snapshot(snapshot)[0]), pipeline), "saved before its shutdown"
 
 
 def _as_transitions(learner: TransitionLearner) -> dict[str, dict[str, float]]:
