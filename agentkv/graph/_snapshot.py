@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
+import stat
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,19 @@ def snapshot_document(learner: TransitionLearner, facts: GraphFacts | None = Non
 
 
 def write_snapshot(path: str | os.PathLike[str], document: dict[str, Any]) -> None:
-    """Write a ``snapshot_document`` to ``path`` atomically (temp file, fsync, rename)."""
-    target = Path(path)
+    """Write a ``snapshot_document`` to ``path`` atomically (temp file, fsync, rename).
+
+    A symlink at ``path`` stays one (the file it points to is replaced); the file keeps the mode it
+    had, and a new one gets the mode ``open`` gives (0666 less the umask), not ``mkstemp``'s 0600.
+    """
+    target = Path(os.path.realpath(path))
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    tmp = str(target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            if target.exists():
+                os.fchmod(handle.fileno(), stat.S_IMODE(target.stat().st_mode))
             json.dump(document, handle, separators=(",", ":"))
             handle.flush()
             os.fsync(handle.fileno())

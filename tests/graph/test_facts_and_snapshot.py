@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -85,6 +86,26 @@ def test_snapshot_round_trip(tmp_path):
     assert restored.accuracy == learner.accuracy
     assert restored_facts.export() == facts.export()
     assert [p.name for p in path.parent.iterdir()] == ["learned.json"]  # no temp files left
+
+
+def test_a_save_keeps_the_files_mode_and_a_symlink_to_it(tmp_path):
+    """mkstemp's temp file made every saved snapshot 0600, and the rename replaced a symlink at the
+    snapshot's path with a plain file."""
+    learner, facts = _trained()
+    path = tmp_path / "learned.json"
+    umask = os.umask(0o022)
+    try:
+        save_snapshot(path, learner, facts)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # as open() makes a file under this umask
+    path.chmod(0o640)
+    link = tmp_path / "current.json"
+    link.symlink_to(path)
+    save_snapshot(link, learner, facts)
+    assert link.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert load_snapshot(link)[0].agents == learner.agents
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current.json", "learned.json"]  # no temp files left
 
 
 def test_a_snapshot_of_nothing_learned_yet_is_restored(tmp_path):
