@@ -291,7 +291,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         finds abandoned leave the timing (their history drops to the floor). Between full
         evaluations (``_FULL_INTERVAL``, ``_FULL_EVERY``) only the sessions touched since the last
         one are re-evaluated, and the queues re-score only the history groups of the sessions
-        whose scores moved (the anchors and untagged blocks always).
+        whose scores moved or that ended or came back (the anchors and untagged blocks always).
         """
         if not self.config.enabled:
             return
@@ -312,16 +312,20 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self._scored_version = (self.learner.version, self.facts.version, self.timing.version)
         self._scored_at = now
         policy = self.policy
-        scored = (policy, self.facts.version)
-        if policy == "lru" and self._scored_policy == scored:
+        # a session event changes only whether its session is retired: the same policy on the same
+        # declared graph re-scores the sessions whose rates moved and those that ended (or came back)
+        scored = (policy, self.facts.graph_version)
+        ended = self.facts.take_ended_changes()
+        same = self._scored_policy == scored and ended is not None
+        if policy == "lru" and same and not ended:
             return  # every group still scores 0.0 (or -inf if retired): nothing to redo
-        changed: set[str] | None = None
+        changed: set[str] | None = ended if same else None
         if policy == "lru":
             self._scorer = recency_scorer(self.facts.ended.keys().__contains__, _RETIRED)
         else:
-            if self._scored_policy == scored and self._scored_table is not None:
-                # same facts, so the same sessions retired: only sessions whose rates moved re-score
-                changed = table.changed_sessions(self._scored_table)
+            if changed is not None:
+                moved = table.changed_sessions(self._scored_table) if self._scored_table is not None else None
+                changed = None if moved is None else moved | changed
             # a live view's membership test, in C: it runs for every history group re-scored
             self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED,
                                         current=self.timing.agent_of)

@@ -35,7 +35,8 @@ class GraphFacts:
     ``max_edges`` edges (a declaration that would exceed them is refused whole).
     ``version`` changes with every applied fact; ``graph_version`` only with a declaration,
     the only fact the chain depends on (session events leave it, and what is built on the
-    chain, alone).
+    chain, alone). A session event changes only whether its session is ended, which
+    ``take_ended_changes`` tells (a session forgotten past ``max_ended`` included).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class GraphFacts:
         self.max_edges = max_edges
         self.version = 0
         self.graph_version = 0
+        self._ended_changes: set[str] | None = set()  # see take_ended_changes; None: too many to list
 
     # -- declaring -----------------------------------------------------------------
 
@@ -95,14 +97,32 @@ class GraphFacts:
             raise FactsFull(f"the declared graph would exceed {self.max_edges} edges")
 
     def start_session(self, session: str) -> None:
-        self.ended.pop(session, None)
+        if self.ended.pop(session, None) is not None:
+            self._ended_changed(session)
         self.started[session] = None
         self.version += 1
 
     def end_session(self, session: str, *, cancelled: bool = False) -> None:
         self.started.pop(session, None)
+        if session not in self.ended:
+            self._ended_changed(session)
+            if self.ended and len(self.ended) >= self.ended.cap:  # the oldest ended session is forgotten
+                self._ended_changed(next(iter(self.ended)))
         self.ended[session] = "cancel" if cancelled else "session_end"
         self.version += 1
+
+    def _ended_changed(self, session: str) -> None:
+        changes = self._ended_changes
+        if changes is not None:
+            changes.add(session)
+            if len(changes) > self.ended.cap:  # nobody asked for a while: say "all" instead
+                self._ended_changes = None
+
+    def take_ended_changes(self) -> set[str] | None:
+        """The sessions whose ``is_ended`` may have changed since the last call (None: too many to
+        list, take every session as changed); the next call starts afresh."""
+        changes, self._ended_changes = self._ended_changes, set()
+        return changes
 
     def apply(self, event: Mapping[str, Any]) -> bool:
         """Apply one validated event (see agentkv.protocol.EVENTS_SCHEMA); False if a replay."""

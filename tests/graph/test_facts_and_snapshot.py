@@ -66,6 +66,27 @@ def test_ended_sessions_are_bounded():
     assert list(facts.ended) == ["s2", "s3"]
 
 
+def test_the_sessions_whose_end_changed_are_told_once():
+    """What the runtime re-scores after session events: each session whose ``is_ended`` changed,
+    an ended one that the cap pushes out included, and only those."""
+    facts = GraphFacts(max_ended=3)
+    facts.start_session("a")  # never ended: nothing changes
+    facts.end_session("a")
+    facts.end_session("a", cancelled=True)  # ended already
+    facts.end_session("b")
+    assert facts.take_ended_changes() == {"a", "b"}
+    assert facts.take_ended_changes() == set()
+    facts.end_session("c")
+    facts.end_session("d")  # forgets "a", which is no longer ended
+    assert not facts.is_ended("a") and facts.take_ended_changes() == {"a", "c", "d"}
+    facts.start_session("b")  # a call revives it
+    facts.declare_graph(["x"])
+    assert facts.take_ended_changes() == {"b"}
+    for n in range(4):  # more changes than the cap while nobody asked: every session may have changed
+        facts.end_session(f"s{n}")
+    assert facts.take_ended_changes() is None and facts.take_ended_changes() == set()
+
+
 def _trained() -> tuple[TransitionLearner, GraphFacts]:
     learner = TransitionLearner()
     for agent in ["a", "b", "c"] * 5:

@@ -3,8 +3,10 @@ scores moved evicts exactly what re-scoring every group evicts."""
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import pytest
 from vllm.sampling_params import SamplingParams
@@ -14,9 +16,11 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, 
 from vllm.v1.request import Request
 
 from agentkv.bench.kv_manager import make_manager, serve_once
+from agentkv.graph import History
 from agentkv.protocol import AgentTag
 from server_patch._free_queue import ScoredFreeBlockQueue
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
+from tests.server.test_runtime import manager, pipeline_sessions, request, run
 
 BS = 16
 init_none_hash(sha256)
@@ -25,12 +29,15 @@ HASHER = get_request_block_hasher(BS, sha256)
 
 def _workload(seed: int, count: int) -> list[tuple[float, Request | None, str | None, bool | None]]:
     """(clock, request, session ended before it, told answer after it): a random chain of 3-8
-    agents with 1-4 block anchors, tool loops, told answers, untagged requests and session ends."""
+    agents with 1-4 block anchors, tool loops, told answers, untagged requests, session ends (of
+    live sessions, of sessions idle for long, or of ones ended already) and ended sessions called
+    again."""
     rng = random.Random(seed)
     agents = [f"a{i}" for i in range(rng.randint(3, 8))]
     following = {a: rng.sample(agents, rng.randint(1, 3)) for a in agents}
     anchors = {a: list(range(10**6 * (i + 1), 10**6 * (i + 1) + BS * rng.randint(1, 4))) for i, a in enumerate(agents)}
     live: dict[str, list] = {}
+    over: dict[str, list] = {}
     out = []
     clock, started = 0.0, 0
     for i in range(count):
@@ -38,7 +45,13 @@ def _workload(seed: int, count: int) -> list[tuple[float, Request | None, str | 
         ended = None
         if live and rng.random() < 0.03:
             ended = rng.choice(sorted(live))
-            del live[ended]
+            over[ended] = live.pop(ended)
+        elif over and rng.random() < 0.02:  # an end told twice (or late), or a call that revives one
+            name = rng.choice(sorted(over))
+            if rng.random() < 0.5:
+                ended = name
+            else:
+                live[name] = over.pop(name)
         if (len(live) < 20 and rng.random() < 0.15) or not live:
             started += 1
             live[f"s{started}"] = [rng.choice(agents), 0, None, []]
@@ -67,13 +80,16 @@ def _partitions_agree(queue: ScoredFreeBlockQueue[Hashable]) -> bool:
     return sorted(map(repr, [*indexed, *queue._unpartitioned])) == sorted(map(repr, queue._groups))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_incremental_rescoring_evicts_as_a_full_rescoring(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "max_ended"), [*((seed, 100_000) for seed in range(4)), (4, 3), (5, 3)])
+def test_incremental_rescoring_evicts_as_a_full_rescoring(seed: int, max_ended: int) -> None:
+    """Also across session events, which re-score only the sessions whose rates moved and those
+    that ended or came back (``max_ended`` 3: an end forgets the oldest ended session, live again)."""
     clocks = [0.0, 0.0]
     managers: list[KVCacheManager] = [make_manager(300, BS, max_model_len=8192) for _ in range(2)]
     runtimes = [AgentKVRuntime(RuntimeConfig(), clock=lambda i=i: clocks[i]) for i in range(2)]
     for runtime, kv in zip(runtimes, managers, strict=True):
         runtime.install(kv)
+        runtime.facts.ended.cap = max_ended
     incremental, full = runtimes
     rescored = 0
     for clock, req, ended, told in _workload(seed, 700):
@@ -154,3 +170,33 @@ def test_one_partition_is_rescored_by_the_current_scores() -> None:
     popped = [repr(by_block[block.block_id]) for block in queue.popleft_n(queue.num_free_blocks)
               if block.block_id in by_block]
     assert popped == ["s1/x", "s1/x", "None/anchor", "None/anchor", "s2/x", "s2/x"]
+
+
+def test_a_session_end_rescores_that_sessions_groups_and_not_every_cached_group() -> None:
+    """A session event changes whether its session is retired and nothing else the scores depend on
+    but the rates, so the refresh after it re-scores the sessions whose rates moved and the ended
+    one (and the anchors). It re-scored every cached group: 1.5 ms per event at 2,000 groups."""
+    clock = [0.0]
+    kv = manager(800)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0), clock=lambda: clock[0])
+    runtime.install(kv)
+    for _, _, tokens, tag in pipeline_sessions(12):
+        run(kv, runtime, request(tokens, tag))
+        clock[0] += 0.5
+    queue = runtime.queues[0]
+    histories = {key.session for key in queue._groups if type(key) is History}
+    assert runtime.policy == "survival" and len(histories) == 12
+    rescore, rescored = queue._rescore, []
+
+    def spy(groups: Iterable[Any]) -> None:
+        groups = list(groups)
+        rescored.extend(group.key for group in groups)
+        rescore(groups)
+
+    queue._rescore = spy  # type: ignore[method-assign]
+    assert runtime.apply_events({"version": 1, "events": [{"type": "session_end", "session": "s5"}]})["accepted"] == 1
+    runtime.refresh()
+    # the latest session is the only one still live (the others are idle beyond the learned gaps)
+    assert {"s5"} <= {key.session for key in rescored if type(key) is History} <= {"s5", "s11"}
+    assert all(group.score == -math.inf for key, group in queue._groups.items()
+               if type(key) is History and key.session == "s5")
