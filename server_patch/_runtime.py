@@ -328,7 +328,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
                 changed = None if moved is None else moved | changed
             # a live view's membership test, in C: it runs for every history group re-scored
             self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED,
-                                        current=self.timing.agent_of)
+                                        current=self.timing.agent_of, untagged_under_anchors=not self.config.recognize)
         self._scored_policy = scored
         self._scored_table = table if policy != "lru" else None
         for queue in self.queues:

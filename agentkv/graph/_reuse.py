@@ -176,9 +176,12 @@ class ReuseTable:
 
     def scorer(self, retired: Callable[[str], bool] | None = None,
                retired_score: float = -math.inf,
-               current: Callable[[str], str | None] | None = None) -> Callable[[Group], float]:
+               current: Callable[[str], str | None] | None = None,
+               untagged_under_anchors: bool = False) -> Callable[[Group], float]:
         """A fast ``score`` for the eviction path; sessions that ``retired(session)`` says are
         over score ``retired_score`` (a fact outranks the model, also while it is not predictable).
+        ``untagged_under_anchors``: untagged blocks score at most the lowest anchor above the floor
+        (see ``_untagged_score``).
 
         ``current(session)`` names the agent a session dispatched last (None: unknown). The table
         lags the sessions by up to a refresh interval: the history of a session that dispatched
@@ -243,7 +246,7 @@ class ReuseTable:
             if kind is Uncached:
                 return -math.inf
             if not untagged:
-                untagged.append(self._untagged_score())
+                untagged.append(self._untagged_score(untagged_under_anchors))
             return untagged[0]
 
         return score
@@ -275,17 +278,24 @@ class ReuseTable:
         changed.update(names[i] for i in np.flatnonzero(moved).tolist())
         return changed
 
-    def _untagged_score(self) -> float:
+    def _untagged_score(self, under_anchors: bool = False) -> float:
         """``untagged_weight`` times a typical live conversation's next use (or a typical anchor's
         while no session is live), in the unit of every group: a typical value of 0 (most live
         sessions at an agent that ends them, or idle past every learned gap) scores the floor,
-        never above the anchors."""
+        never above the anchors. ``under_anchors``: at most the lowest anchor the model expects a
+        use of, so that untagged blocks (the queries of calls outside any session, when nothing
+        recognizes sessions) meet the anchors in recency order at best, as under LRU; half a
+        typical session's next use (the one due next) outranked the anchors of the agents it
+        passed, whose next use is a session later."""
         if self.session_rate.size:
             typical = self.session_rate.max(axis=1)
         else:
             typical = self.anchor_rate[self.anchor_rate > 0]
         value = float(np.median(typical)) if len(typical) else 0.0
-        return math.floor(math.log(self.untagged_weight * value + _FLOOR) * _STEPS) / _STEPS
+        score = math.floor(math.log(self.untagged_weight * value + _FLOOR) * _STEPS) / _STEPS
+        if under_anchors and (expected := self.anchor_rate[self.anchor_rate > 0]).size:
+            return min(score, float(_quantized(np.log(expected.min() + _FLOOR))))  # that anchor's score
+        return score
 
     def survival(self, agent: str) -> float:
         """P(agent's anchor is used within ``horizon_s``), read off its rate."""

@@ -529,6 +529,19 @@ def test_untagged_blocks_score_at_the_floor_when_the_typical_live_session_is_wor
     assert untagged == table.score(History("unknown", frozenset("a")))  # the floor
 
 
+def test_untagged_blocks_can_be_kept_under_every_anchor_the_model_expects_a_use_of():
+    """Half of a typical live session's next use is half of its next agent's (b's): above the anchor
+    of a, which only new sessions use, when they start seldom. A server without recognition keeps
+    its untagged blocks (the queries of calls outside any session) under every such anchor."""
+    learner, facts, timing = _ending_at_b()
+    table = score_reuse(Predictor(learner, facts).chain(), timing.table(), [("s", "a", 100.0)], now=100.5,
+                        session_start_rate=0.05, continuation={}, interposed=None,
+                        predictability=learner.predictability(), gap_count=timing.gaps, config=ReuseConfig())
+    anchors = {agent: table.score(Anchor(frozenset(agent))) for agent in "ab"}
+    assert anchors["b"] > table.score(UNTAGGED) > anchors["a"]
+    assert table.scorer(untagged_under_anchors=True)(UNTAGGED) == anchors["a"]  # met in recency order
+
+
 def test_a_declared_graph_keeps_the_learned_chance_of_ending_after_an_agent():
     """The declared graph bounds where a session goes next, not whether it stops: b's row keeps
     its learned ending share (half the sessions end after b), only b -> a is ruled out."""
