@@ -421,6 +421,7 @@ STATS_SCHEMA: Final[dict[str, Any]] = {
             "properties": {"anchor": _COUNT, "history": _COUNT, "untagged": _COUNT, "retired": _COUNT},
         },
         "learner": {"type": "object", "required": ["bytes"], "properties": {"bytes": _COUNT}},
+        "timing": {"type": "object", "required": ["gaps", "agents"], "properties": {"gaps": _COUNT, "agents": _COUNT}},
         "malformed_metadata": {"type": "object", "additionalProperties": _COUNT},
     },
 }

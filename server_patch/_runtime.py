@@ -27,7 +27,6 @@ from agentkv.graph import (
     PassageBuilder,
     Predictor,
     ReuseTable,
-    SessionTiming,
     first_passage_steps,
     padded_passage,
     recency_scorer,
@@ -87,10 +86,9 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self.config = config or RuntimeConfig()
         self.clock = clock
         self.epoch = uuid.uuid4().hex  # a restarted replica's exports replace its old ones
-        self._restore()
+        self._restore()  # the learner, the facts and the session timing
         self.learner.clock = clock
         self.predictor = Predictor(self.learner, self.facts)
-        self.timing = SessionTiming()
         self.tracker = BlockTracker(untag_sessionless=not self.config.recognize)
         self.anchors = AnchorLengths()
         self.warmups = WarmupLedger(clock)

@@ -76,7 +76,7 @@ class RuntimeControl:
     hits: Counter[str]
     policy: str
     anchor_residency: Callable[[str], tuple[int, int]]
-    _saved_version: tuple[int, int] | None
+    _saved_version: tuple[int, int, int] | None
     _writing: threading.Lock  # held while a snapshot is written
     _copies: int  # snapshots copied so far
     _written: int  # the number of the latest copy written
@@ -251,6 +251,8 @@ class RuntimeControl:
                 "peers": self.learner.peers.replicas(),
             },
             "facts": self.facts.export(),
+            # learned gaps and the agents with gaps of their own: a snapshot carries them over a restart
+            "timing": {"gaps": self.timing.gaps, "agents": self.timing.gap_agents},
             "malformed_metadata": dict(self.malformed.by_field),
             "config": {
                 "horizon_steps": table.steps if table is not None else None,
@@ -265,10 +267,11 @@ class RuntimeControl:
         A restored state is what the file holds: no save rewrites it before something changes."""
         path = self.config.snapshot_path
         restored = restore_snapshot(path, self.config.learner) if path else None
-        self.learner, self.facts = restored or (TransitionLearner(self.config.learner), GraphFacts())
+        self.learner, self.facts, self.timing = restored or (TransitionLearner(self.config.learner), GraphFacts(),
+                                                             SessionTiming())
         self.learner.peers.max_replicas = self.config.max_peers
         self.learner.peers.peer_weight = self.config.peer_weight
-        self._saved_version = None if restored is None else (self.learner.version, self.facts.version)
+        self._saved_version = None if restored is None else self._learned_version()
         self._writing = threading.Lock()
         self._copies = self._written = 0
 
@@ -280,8 +283,8 @@ class RuntimeControl:
         if not path:
             return
         with self.lock:
-            document = snapshot_document(self.learner, self.facts)
-            version = (self.learner.version, self.facts.version)
+            document = snapshot_document(self.learner, self.facts, self.timing)
+            version = self._learned_version()
             self._copies += 1
             copy = self._copies
         with self._writing:  # never taken before ``lock`` (a control op may hold ``lock`` to save)
@@ -295,10 +298,15 @@ class RuntimeControl:
     def save_if_changed(self) -> bool:
         """Save the snapshot unless nothing learned changed since the last save; True if written."""
         with self.lock:
-            if not self.config.snapshot_path or self._saved_version == (self.learner.version, self.facts.version):
+            if not self.config.snapshot_path or self._saved_version == self._learned_version():
                 return False
         self.save()
         return True
+
+    def _learned_version(self) -> tuple[int, int, int]:
+        """What a snapshot holds changed when this did: the timing's part changes with gaps, starts
+        and ends learned, not with every request (an idle server saves nothing)."""
+        return self.learner.version, self.facts.version, self.timing.learned_version
 
     def _max_peer_weight(self) -> float:
         """Three times the most a decayed learner can hold per part (transitions, entries, ends), doubled."""

@@ -23,7 +23,9 @@ from ._reuse import (
 )
 from ._snapshot import (
     SNAPSHOT_VERSION,
+    LearnedState,
     SnapshotError,
+    load_learned_state,
     load_snapshot,
     restore_snapshot,
     save_snapshot,
@@ -48,6 +50,7 @@ __all__ = [
     "GraphFacts",
     "Group",
     "History",
+    "LearnedState",
     "LearnerConfig",
     "LiveSessions",
     "Observation",
@@ -65,6 +68,7 @@ __all__ = [
     "Untagged",
     "first_passage_steps",
     "first_passage_within",
+    "load_learned_state",
     "load_snapshot",
     "padded_passage",
     "recency_scorer",

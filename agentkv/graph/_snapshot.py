@@ -9,13 +9,15 @@ import stat
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._facts import GraphFacts
 from ._learner import LearnerConfig, TransitionLearner
+from ._timing import SessionTiming
+from ._timing_state import export_timing, import_timing
 
-__all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "SnapshotError", "load_snapshot", "restore_snapshot", "save_snapshot",
-           "snapshot_document", "write_snapshot"]
+__all__ = ["SNAPSHOT_FORMAT", "SNAPSHOT_VERSION", "LearnedState", "SnapshotError", "load_learned_state",
+           "load_snapshot", "restore_snapshot", "save_snapshot", "snapshot_document", "write_snapshot"]
 
 SNAPSHOT_FORMAT = "agentkv.learned-state"
 SNAPSHOT_VERSION = 1
@@ -28,18 +30,30 @@ class SnapshotError(ValueError):
     """A snapshot that is corrupt, of another format, or of an unsupported version."""
 
 
-def save_snapshot(path: str | os.PathLike[str], learner: TransitionLearner, facts: GraphFacts | None = None) -> None:
-    """Write learner counts (and declared facts) to ``path`` atomically (temp file + rename)."""
-    write_snapshot(path, snapshot_document(learner, facts))
+class LearnedState(NamedTuple):
+    """What a snapshot restores."""
+
+    learner: TransitionLearner
+    facts: GraphFacts
+    timing: SessionTiming  # fresh when the snapshot holds none (or a bad one: see ``load_learned_state``)
 
 
-def snapshot_document(learner: TransitionLearner, facts: GraphFacts | None = None) -> dict[str, Any]:
-    """The snapshot of ``learner`` (and ``facts``): a copy, which neither changes when they do."""
+def save_snapshot(path: str | os.PathLike[str], learner: TransitionLearner, facts: GraphFacts | None = None,
+                  timing: SessionTiming | None = None) -> None:
+    """Write learner counts (and declared facts, session timing) to ``path`` atomically (temp file + rename)."""
+    write_snapshot(path, snapshot_document(learner, facts, timing))
+
+
+def snapshot_document(learner: TransitionLearner, facts: GraphFacts | None = None,
+                      timing: SessionTiming | None = None) -> dict[str, Any]:
+    """The snapshot of ``learner`` (and ``facts``, ``timing``): a copy, which neither changes when they do.
+    ``timing`` is a top-level key of its own: a loader that predates it ignores it."""
     return {
         "format": SNAPSHOT_FORMAT,
         "version": SNAPSHOT_VERSION,
         "learner": learner.export_state(),
         "facts": None if facts is None else facts.export(),
+        "timing": None if timing is None else export_timing(timing),
     }
 
 
@@ -80,6 +94,28 @@ def load_snapshot(
     path: str | os.PathLike[str], config: LearnerConfig | None = None
 ) -> tuple[TransitionLearner, GraphFacts]:
     """Read a snapshot written by save_snapshot; raise SnapshotError with the reason otherwise."""
+    _, learner, facts = _read(path, config)
+    return learner, facts
+
+
+def load_learned_state(path: str | os.PathLike[str], config: LearnerConfig | None = None) -> LearnedState:
+    """``load_snapshot`` plus the session timing. A timing part that is not valid is dropped, with a
+    warning, and the timing starts fresh: it is learned again from the traffic within minutes, while
+    the counts and the declared graph (which clients may never send again) are kept."""
+    document, learner, facts = _read(path, config)
+    recorded = document.get("timing")
+    timing = SessionTiming()
+    if recorded is not None:
+        try:
+            timing = import_timing(recorded)
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            logger.warning("agentkv: snapshot %s: dropping its session timing (learned again from the traffic), "
+                           "keeping its learned counts and declared graph: %s", path, f"{exc!r}"[:500])
+    return LearnedState(learner, facts, timing)
+
+
+def _read(path: str | os.PathLike[str], config: LearnerConfig | None) -> tuple[dict[str, Any], TransitionLearner,
+                                                                             GraphFacts]:
     file = Path(path)
     if not file.is_file():  # a FIFO or a device would block the server's start
         raise SnapshotError(f"snapshot {path} is not a regular file")
@@ -111,19 +147,17 @@ def load_snapshot(
             )
     except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise SnapshotError(f"{path} is corrupt: {exc!r}"[:500]) from exc
-    return learner, facts
+    return document, learner, facts
 
 
-def restore_snapshot(
-    path: str | os.PathLike[str], config: LearnerConfig | None = None
-) -> tuple[TransitionLearner, GraphFacts] | None:
+def restore_snapshot(path: str | os.PathLike[str], config: LearnerConfig | None = None) -> LearnedState | None:
     """The state saved at ``path``; None, to start fresh, when there is none or on any SnapshotError:
     then log why and move the refused file aside (``PATH.refused-<unix time>``: the next save would
     replace it, and it may be a newer agentkv's or worth a look)."""
     if not Path(path).exists():
         return None
     try:
-        return load_snapshot(path, config)
+        return load_learned_state(path, config)
     except SnapshotError as exc:
         kept = Path(f"{path}.refused-{int(time.time())}")
         try:

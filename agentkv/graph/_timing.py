@@ -173,6 +173,7 @@ class SessionTiming:
     Invariants: ``_hist[agent]`` holds decayed gap counts per bin (multiplied by
     ``_weight[agent]``), row ``_TOOL`` of the gaps within a dispatch and row ``_HANDOFF`` of
     the gaps to the next one; ``_sessions`` is ordered by last arrival, oldest first, and bounded.
+    A snapshot keeps the learned part (``_timing_state.py``).
     """
 
     def __init__(self, config: TimingConfig | None = None) -> None:
@@ -356,6 +357,12 @@ class SessionTiming:
     @property
     def gaps(self) -> int:
         return self._gaps
+
+    @property
+    def learned_version(self) -> int:
+        """Changes when what a snapshot keeps (``_timing_state.py``) changes: a gap, a start or an
+        end learned; ``version`` changes with the live sessions too, on every request."""
+        return self._gaps + self._starts + self._ends
 
     @property
     def starts(self) -> int:

@@ -248,6 +248,27 @@ def test_a_restored_snapshot_is_not_written_again_until_something_changes(tmp_pa
     assert load_snapshot(path)[0].agents == []
 
 
+def test_the_session_timing_is_restored_and_saved_when_it_learned(tmp_path):
+    """The gaps came back after a restart (the history scoring started from nothing); what the
+    timing learned is saved, and a request's passing state alone (an answer told) is not."""
+    path = tmp_path / "state.json"
+    trained = AgentKVRuntime(RuntimeConfig(snapshot_path=str(path)))
+    _learn_planner_to_coder(trained)
+    for s in range(5):
+        trained.timing.observe(f"s{s}", "planner", 10.0 * s, 0)
+        trained.timing.observe(f"s{s}", "coder", 10.0 * s + 1.5, 1)
+    assert trained.save_if_changed()
+    trained.timing.answered("s4", tool_call=True)
+    trained.timing.finished("s4")
+    assert not trained.save_if_changed()
+    trained.timing.observe("s4", "coder", 60.0, 1)  # a gap learned, the learner told nothing
+    assert trained.save_if_changed() and not trained.save_if_changed()
+    restored = AgentKVRuntime(RuntimeConfig(snapshot_path=str(path)))
+    assert restored.stats()["timing"] == {"gaps": 6, "agents": 2} == trained.stats()["timing"]
+    assert restored.timing.table().median_gap == trained.timing.table().median_gap
+    assert not restored.save_if_changed()
+
+
 def test_a_snapshot_is_written_outside_the_engine_lock(tmp_path, monkeypatch):
     """A slow disk (here a write that takes 0.5 s) never holds up a scheduler step: the engine's lock
     is free while the snapshot is encoded and written; the save op, which holds it, still saves."""

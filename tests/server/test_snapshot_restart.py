@@ -4,8 +4,9 @@ One snapshot file, three consecutive servers: each learns a new pipeline and is 
 (SIGKILL to the whole group once a periodic save holds what it learned; SIGINT or SIGTERM to its pid,
 as Ctrl-C or ``kill`` does); the next one must start knowing every pipeline learned so far (the one
 after the SIGKILL on the control socket path the killed one left behind), and at the end the file
-must hold all three. A server that shut down (SIGINT, SIGTERM) leaves no control socket file behind;
-one started with ``AGENTKV_SNAPSHOT_INTERVAL=0`` saves at its shutdown only.
+must hold all three. The session timing (the gaps learned between a session's requests) comes back
+too: each server starts with the gaps its snapshot held. A server that shut down (SIGINT, SIGTERM)
+leaves no control socket file behind; one started with ``AGENTKV_SNAPSHOT_INTERVAL=0`` saves at its shutdown only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentkv.graph import TransitionLearner, load_snapshot
+from agentkv.graph import TransitionLearner, load_learned_state, load_snapshot
 from agentkv.protocol import STATS_PATH, AgentTag
 from agentkv.testing.vllm_server import ServerSpec, VLLMServer
 
@@ -86,6 +87,7 @@ def test_learned_state_survives_sigkill_sigint_and_sigterm(tiny_model_dir: Path,
         ("SIGTERM", INTERVAL, lambda s: os.kill(s.pid, signal.SIGTERM)),
     ]
     replicas = []
+    saved_timing = {"gaps": 0, "agents": 0}
     for number, (pipeline, (name, interval, stop)) in enumerate(zip(pipelines, stops, strict=True)):
         spec = ServerSpec(model_dir=tiny_model_dir, num_gpu_blocks=81, module="agentkv.serve",
                           env={**env, "AGENTKV_SNAPSHOT_INTERVAL": str(interval)})
@@ -95,11 +97,16 @@ def test_learned_state_survives_sigkill_sigint_and_sigterm(tiny_model_dir: Path,
             replicas.append(stats["learner"]["replica"])
             for known in pipelines[:number]:
                 _assert_knows(transitions, known)  # restored from the snapshot the last stop left
+            assert stats["timing"] == saved_timing  # the gaps, too (before session 41 they started from none)
             assert control.exists()
             _learn(server, pipeline)
             stop(server)
             _wait_exit(server)
         assert snapshot.exists(), f"no snapshot after {name}"
+        timing = load_learned_state(snapshot).timing
+        # each session's 2nd and 3rd request learned a gap: all saved at a shutdown, some by a save before a kill
+        assert timing.gaps == saved_timing["gaps"] + 8 or (name == "SIGKILL" and timing.gaps > 0), (name, timing.gaps)
+        saved_timing = {"gaps": timing.gaps, "agents": timing.gap_agents}
         # a server that could shut down takes its control socket file along (none piles up in /tmp)
         assert control.exists() == (name == "SIGKILL"), name
     # AGENTKV_REPLICA unset: the restored counts keep their name, so a peer replaces their old export

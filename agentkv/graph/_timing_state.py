@@ -1,0 +1,116 @@
+"""SessionTiming's learned distributions in a snapshot (``_snapshot.py``): exported and validated.
+
+Kept: the gap histograms (per agent and pooled), how often each agent's request was followed by
+one of the same dispatch or of the next (also after a told answer), the ended sessions' length
+histogram and the counters. Not kept: the live sessions (transient, like the learner's) and the
+pace of session starts: its clock point means nothing after a restart, and the recent intervals
+are a pace of the traffic before it (a restart often changes that); two new starts learn it again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from agentkv.protocol import validate_id
+
+from ._timing import _BINS, _EDGE_LIST, _MAX_LENGTH, SessionTiming, TimingConfig
+
+__all__ = ["export_timing", "import_timing"]
+
+_MAX_COUNT = 1e15  # a decayed total stays near 1.44 x half_life; more is no state a SessionTiming held
+_MAX_WEIGHT = 1e100  # ``_add_gap`` rescales a weight past this back to 1
+_MAX_TALLY = 2**62
+
+
+def export_timing(timing: SessionTiming) -> dict[str, Any]:
+    """A copy of ``timing``'s learned distributions (cheap: the engine's lock is held meanwhile)."""
+    agents = list(timing._hist)
+    told = timing._after_told
+    return {
+        "edges": list(_EDGE_LIST),  # the bins the counts are of: another layout is not read as this one
+        "agents": agents,  # least recently seen first (the first recycled)
+        "gaps": [[row[:] for row in hist] for hist in timing._hist.values()],  # [tool, hand-off] x bins
+        "weights": [timing._weight[agent] for agent in agents],  # the counts are stored multiplied by these
+        "continued": [timing._continued.get(agent, 0) for agent in agents],
+        "handed_off": [timing._handed_off.get(agent, 0) for agent in agents],
+        # [same dispatch, next] after an answer without, and with, a tool call
+        "after_told": [[[*told.get((agent, tool_call), (0.0, 0.0))] for tool_call in (False, True)]
+                       for agent in agents],
+        "global": [row[:] for row in timing._global],
+        "global_weight": timing._global_weight,
+        "lengths": timing._lengths.tolist(),
+        "tallies": {"gaps": timing._gaps, "starts": timing._starts, "ends": timing._ends},
+    }
+
+
+def import_timing(state: object, config: TimingConfig | None = None) -> SessionTiming:
+    """A SessionTiming that knows what ``state`` (an ``export_timing``) learned, with no live
+    sessions; ValueError naming the first thing wrong with it."""
+    if type(state) is not dict:
+        raise ValueError("the timing part must be an object")
+    if state.get("edges") != list(_EDGE_LIST):
+        raise ValueError("timing: gap counts of other bins than this agentkv's")
+    timing = SessionTiming(config)
+    agents = state["agents"]
+    if type(agents) is not list or len(agents) > timing.config.max_agents:
+        raise ValueError(f"timing: agents must be a list of at most {timing.config.max_agents} names")
+    for name in agents:
+        validate_id(name, "agent")
+    if len(set(agents)) != len(agents):
+        raise ValueError("timing: agent names repeat")
+    n = len(agents)
+    weights = _numbers(state["weights"], n, "weights", _MAX_WEIGHT, low=1.0)
+    gaps = _list(state["gaps"], n, "gaps")
+    continued = _tallies(state["continued"], n, "continued")
+    handed_off = _tallies(state["handed_off"], n, "handed_off")
+    told = _list(state["after_told"], n, "after_told")
+    for agent, rows, weight, told_rows in zip(agents, gaps, weights, told, strict=True):
+        timing._hist[agent] = _histogram(rows, weight, f"gaps of {agent!r}")
+        timing._weight[agent] = weight
+        for tool_call, pair in zip((False, True), _list(told_rows, 2, "after_told"), strict=True):
+            same, following = _numbers(pair, 2, "after_told", _MAX_COUNT)
+            if same or following:
+                timing._after_told[agent, tool_call] = [same, following]
+    timing._continued = {agent: n for agent, n in zip(agents, continued, strict=True) if n}
+    timing._handed_off = {agent: n for agent, n in zip(agents, handed_off, strict=True) if n}
+    global_weight = _numbers([state["global_weight"]], 1, "global_weight", _MAX_WEIGHT, low=1.0)[0]
+    timing._global = _histogram(state["global"], global_weight, "global gaps")
+    timing._global_weight = global_weight
+    timing._lengths = np.array(_numbers(state["lengths"], _MAX_LENGTH, "lengths", _MAX_COUNT), dtype=float)
+    tallies = state["tallies"]
+    if type(tallies) is not dict:
+        raise ValueError("timing: tallies must be an object")
+    timing._gaps, timing._starts, timing._ends = _tallies([tallies[k] for k in ("gaps", "starts", "ends")], 3,
+                                                          "tallies")
+    return timing
+
+
+def _list(value: object, length: int, what: str) -> list[Any]:
+    if type(value) is not list or len(value) != length:
+        raise ValueError(f"timing: {what} must be a list of {length}")
+    return value
+
+
+def _numbers(value: object, length: int, what: str, high: float, low: float = 0.0) -> list[float]:
+    """``length`` numbers in [low, high] (NaN and infinities fail the comparison), as floats."""
+    numbers = _list(value, length, what)
+    if not all(type(x) in (int, float) and low <= x <= high for x in numbers):
+        raise ValueError(f"timing: {what} must be numbers in [{low:g}, {high:g}]")
+    return [float(x) for x in numbers]
+
+
+def _tallies(value: object, length: int, what: str) -> list[int]:
+    numbers = _list(value, length, what)
+    if not all(type(x) is int and 0 <= x < _MAX_TALLY for x in numbers):
+        raise ValueError(f"timing: {what} must be integers in [0, 2**62)")
+    return numbers
+
+
+def _histogram(value: object, weight: float, what: str) -> list[list[float]]:
+    """Two rows (tool, hand-off) of ``_BINS`` decayed counts, multiplied by ``weight``."""
+    rows = [_numbers(row, _BINS, what, _MAX_COUNT * weight) for row in _list(value, 2, what)]
+    if sum(map(sum, rows)) / weight > _MAX_COUNT:
+        raise ValueError(f"timing: {what} must total at most {_MAX_COUNT:g}")
+    return rows
