@@ -304,9 +304,10 @@ class RuntimeControl:
         return True
 
     def _learned_version(self) -> tuple[int, int, int]:
-        """What a snapshot holds changed when this did: the timing's part changes with gaps, starts
-        and ends learned, not with every request (an idle server saves nothing)."""
-        return self.learner.version, self.facts.version, self.timing.learned_version
+        """What a snapshot holds changed when this did: the learner's own counts (a peer's merge is not
+        saved), the declared graph (session events are not saved), and the timing's gaps, starts and
+        ends learned, not every request (an idle server saves nothing)."""
+        return self.learner.own_version, self.facts.graph_version, self.timing.learned_version
 
     def _max_peer_weight(self) -> float:
         """Three times the most a decayed learner can hold per part (transitions, entries, ends), doubled."""

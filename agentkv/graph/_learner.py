@@ -363,9 +363,14 @@ class TransitionLearner:
         held = counts.sum(axis=0) + counts.sum(axis=1) + entry + ends + interposed > 0
         names = tuple(name for name, kept in zip(self._names, held, strict=True) if kept)
         # sequenced by this replica's own changes: two replicas merging each other's exports would
-        # otherwise see a new one at every pull, rebuild and save for ever without traffic
-        return PeerExport(replica, epoch, self.version - self._merges, names, counts[held][:, held], entry[held],
+        # otherwise see a new one at every pull and rebuild for ever without traffic
+        return PeerExport(replica, epoch, self.own_version, names, counts[held][:, held], entry[held],
                           ends[held], interposed[held])
+
+    @property
+    def own_version(self) -> int:
+        """``version`` less its bumps by peers' merges: changes only with what this learner learned."""
+        return self.version - self._merges
 
     def merge_peer(self, export: PeerExport) -> bool:
         """Take another replica's latest counts into the model; False if stale or a replay. A peer's

@@ -243,6 +243,12 @@ def test_a_restored_snapshot_is_not_written_again_until_something_changes(tmp_pa
     assert path.stat().st_ino == written
     restored.learner.observe("planner", "new")
     assert restored.handle({"op": "save"}) == {"saved": True} and path.stat().st_ino != written
+    written = path.stat().st_ino
+    # what the snapshot does not hold changes nothing: a peer's merge, a session's end
+    assert restored.merge(_export("peer", [[0, 1, 0], [0, 0, 1], [0, 0, 0]])) == {"merged": True}
+    event = {"version": 1, "events": [{"type": "session_end", "id": "end-x", "session": "never-seen"}]}
+    assert restored.apply_events(event)["accepted"] == 1
+    assert not restored.save_if_changed() and path.stat().st_ino == written
     path.write_text("{}")  # refused at start (moved aside): the first save writes the fresh state
     assert AgentKVRuntime(RuntimeConfig(snapshot_path=str(path))).save_if_changed()
     assert load_snapshot(path)[0].agents == []
