@@ -159,9 +159,10 @@ def restore_snapshot(path: str | os.PathLike[str], config: LearnerConfig | None 
     try:
         return load_learned_state(path, config)
     except SnapshotError as exc:
-        kept = Path(f"{path}.refused-{int(time.time())}")
+        refused = os.path.realpath(path)  # a symlink at ``path`` stays, as a save keeps it
+        kept = Path(f"{refused}.refused-{int(time.time())}")
         try:
-            os.replace(path, kept)
+            os.replace(refused, kept)
             where = f"kept as {kept}"
         except OSError as move:
             where = f"could not be moved aside ({move}): the next save replaces it"

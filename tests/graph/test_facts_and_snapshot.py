@@ -127,6 +127,10 @@ def test_a_save_keeps_the_files_mode_and_a_symlink_to_it(tmp_path):
     assert link.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o640
     assert load_snapshot(link)[0].agents == learner.agents
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current.json", "learned.json"]  # no temp files left
+    path.write_text("{not json")  # refused at start: the file it points to is moved aside, the link kept
+    assert restore_snapshot(link) is None and link.is_symlink() and not path.exists()
+    save_snapshot(link, learner, facts)
+    assert link.is_symlink() and load_snapshot(path)[0].agents == learner.agents
 
 
 def test_a_snapshot_of_nothing_learned_yet_is_restored(tmp_path):
