@@ -5,6 +5,7 @@ to plan (longer than the servers' context)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,13 @@ def test_an_interrupted_command_says_where_its_blocks_are(monkeypatch, tmp_path,
         cli.main(argv)
     assert exited.value.code == 130 and len(ran) == 1
     assert capsys.readouterr().err.endswith(f"the blocks measured so far are in {tmp_path / 'serve.json'}\n")
+    # stopped again before its first block: the partial file is the run before's, not this one's
+    os.utime(tmp_path / "serve.json", (0, 0))
+    ran = _fake_blocks(monkeypatch, interrupt_at=0)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 130 and ran == []
+    assert capsys.readouterr().err == "agentkv bench serve: interrupted; no block was measured\n"
 
 
 def test_sessions_longer_than_the_servers_context_are_refused_with_one_line():

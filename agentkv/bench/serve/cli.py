@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from agentkv.bench.serve_args import config_from_args
@@ -28,10 +29,11 @@ def main(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:  # a combination of options the benchmark cannot run
         raise SystemExit(f"agentkv bench serve: {exc}") from None
+    started = time.time()
     try:
         result = run_benchmark(config)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (see servers.running): say what is left
-        print(f"agentkv bench serve: interrupted; {_left(config.out / JSON_NAME)}", file=sys.stderr)
+        print(f"agentkv bench serve: interrupted; {_left(config.out / JSON_NAME, started)}", file=sys.stderr)
         return 130
     paths = write_reports(result, config.out, args.plot)
     print()
@@ -49,9 +51,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _left(path: Path) -> str:
+def _left(path: Path, started: float) -> str:
+    """Where this run's measured blocks are (a file an earlier run left is not this run's)."""
     try:
-        partial = json.loads(path.read_text())["complete"] is False
+        partial = path.stat().st_mtime >= started and json.loads(path.read_text())["complete"] is False
     except (OSError, ValueError, KeyError, TypeError):  # none, or not this benchmark's
         partial = False
     return f"the blocks measured so far are in {path}" if partial else "no block was measured"
