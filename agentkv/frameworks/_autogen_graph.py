@@ -17,7 +17,10 @@ from typing import Any
 
 from agentkv.client import ERRORS, sanitize_id
 
-__all__ = ["GraphLineage", "digraph_of", "team_facts"]
+__all__ = ["GRAPH_COMPLETE", "GraphLineage", "digraph_of", "team_facts"]
+
+# A GraphFlow run's stop reason when no node is left to run: it then goes back to its start nodes
+GRAPH_COMPLETE = "Digraph execution is complete"
 
 
 def digraph_of(team: Any) -> Any | None:

@@ -37,7 +37,7 @@ from agentkv.client import (
 )
 from agentkv.protocol import AgentTag
 
-from ._autogen_graph import GraphLineage, digraph_of, team_facts
+from ._autogen_graph import GRAPH_COMPLETE, GraphLineage, digraph_of, team_facts
 from ._events import EventSink, SinkHandle, get_sink, session_event
 
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
@@ -391,6 +391,8 @@ async def _session_stream(
     try:
         inner = original(*args, **kwargs)
         async for item in inner:
+            if state.graph is not None and getattr(item, "stop_reason", None) == GRAPH_COMPLETE:
+                state.graph.clear()  # the graph ran to its end: a next run starts at its start nodes
             yield item
     finally:
         try:

@@ -430,6 +430,24 @@ def test_graph_flow_loop_follows_its_conditions_across_runs(server):
     ]
 
 
+def test_a_run_after_the_graph_completed_starts_at_its_entry_even_where_an_edge_leads_back_to_it(server):
+    """critic -> writer fires always: the second run's writer followed the first run's critic (a
+    transition that never happened, at a step already used) though GraphFlow had gone back to its
+    start node."""
+    server.script("writer", "DRAFT 1", "FINAL", "FINAL")
+    team = instrument(graph_flow(server, [("writer", "critic", "DRAFT"), ("critic", "writer", None),
+                                          ("writer", "publisher", "FINAL")], max_turns=20), session="s1")
+
+    async def two_runs() -> None:
+        await team.run(task="write")
+        await team.run(task="again")  # continues the conversation after the graph completed
+
+    asyncio.run(two_runs())
+    assert server.tags() == [("writer", "s1", "", 1), ("critic", "s1", "writer", 2), ("writer", "s1", "critic", 3),
+                             ("publisher", "s1", "writer", 4),
+                             ("writer", "s1", "", 5), ("publisher", "s1", "writer", 6)]
+
+
 def test_graph_lineage_ignores_a_parent_whose_edge_did_not_fire():
     """``any`` activation: c runs after a's edge fired; b, which ended later, said no to its edge."""
     server = FakeOpenAI()
