@@ -107,7 +107,7 @@ def print_server_view(root: str, agents: Sequence[str]) -> None:
     accuracy = stats["top1_accuracy"]
     print(f"\nserver: policy {stats['policy']}, predictability R {stats['predictability']:.3f}, top-1 accuracy "
           f"{'n/a' if accuracy is None else f'{accuracy:.1%}'}, {stats['dispatches']} dispatches learned, "
-          f"evictions {stats['evictions']}")
+          f"evictions by kind: {', '.join(f'{kind} {n}' for kind, n in stats['evictions'].items())}")
     print("\n| from \\ to | " + " | ".join(agents) + " |\n|---|" + "---:|" * len(agents))
     for name in agents:
         row = stats["transitions"].get(name, {})
