@@ -357,15 +357,9 @@ class TransitionLearner:
 
     def export_counts(self, replica: str, epoch: str) -> PeerExport:
         """This learner's own counts (never what it merged from peers), for other replicas."""
-        counts, entry, ends, interposed = self._own()
-        # agents with counts only: a name kept in a slot and nothing learned would come back from
-        # every peer as new, and take the slot of an agent this replica serves
-        held = counts.sum(axis=0) + counts.sum(axis=1) + entry + ends + interposed > 0
-        names = tuple(name for name, kept in zip(self._names, held, strict=True) if kept)
         # sequenced by this replica's own changes: two replicas merging each other's exports would
         # otherwise see a new one at every pull and rebuild for ever without traffic
-        return PeerExport(replica, epoch, self.own_version, names, counts[held][:, held], entry[held],
-                          ends[held], interposed[held])
+        return PeerExport(replica, epoch, self.own_version, *self._held())
 
     @property
     def own_version(self) -> int:
@@ -436,21 +430,27 @@ class TransitionLearner:
     def state_bytes(self) -> int:
         """Bytes of learned state: the count arrays plus the agent and session tables."""
         live = len(self.agents)
-        arrays = (live * live + 3 * live) * 8
         names = sum(len(name) for name in self.agents) + 8 * live
-        sessions = sum(len(s) + 16 for s in self._sessions)
-        return arrays + names + sessions
+        return (live * live + 3 * live) * 8 + names + sum(len(s) + 16 for s in self._sessions)
 
     # -- persistence (see _snapshot.py) ---------------------------------------------
 
+    def _held(self) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(agents, counts, entry, ends, interposed) of this learner's own, agents with counts only: a
+        name only a peer brought is neither exported (it would come back from every peer as new) nor saved."""
+        counts, entry, ends, interposed = self._own()
+        held = counts.sum(axis=0) + counts.sum(axis=1) + entry + ends + interposed > 0
+        names = tuple(name for name, kept in zip(self._names, held, strict=True) if kept)
+        return names, counts[held][:, held], entry[held], ends[held], interposed[held]
+
     def export_state(self) -> dict[str, object]:
-        own = self._own()  # peers' counts are theirs to persist
+        names, counts, entry, ends, interposed = self._held()  # peers' counts are theirs to persist
         return {
-            "agents": self.agents,
-            "counts": own[0].tolist(),
-            "entry": own[1].tolist(),
-            "ends": own[2].tolist(),
-            "interposed": own[3].tolist(),
+            "agents": list(names),
+            "counts": counts.tolist(),
+            "entry": entry.tolist(),
+            "ends": ends.tolist(),
+            "interposed": interposed.tolist(),
             "dispatches": self._dispatches,
             "predictions": self._predictions,
             "correct": self._correct,

@@ -245,7 +245,9 @@ def test_a_restored_snapshot_is_not_written_again_until_something_changes(tmp_pa
     assert restored.handle({"op": "save"}) == {"saved": True} and path.stat().st_ino != written
     written = path.stat().st_ino
     # what the snapshot does not hold changes nothing: a peer's merge, a session's end
-    assert restored.merge(_export("peer", [[0, 1, 0], [0, 0, 1], [0, 0, 0]])) == {"merged": True}
+    peer = _export("peer", [[0, 1, 0], [0, 0, 1], [0, 0, 0]], agents=("planner", "coder", "researcher"))
+    assert restored.merge(peer) == {"merged": True} and "researcher" in restored.learner.agents
+    assert "researcher" not in restored.learner.export_state()["agents"]  # the peer's name is not saved either
     event = {"version": 1, "events": [{"type": "session_end", "id": "end-x", "session": "never-seen"}]}
     assert restored.apply_events(event)["accepted"] == 1
     assert not restored.save_if_changed() and path.stat().st_ino == written
