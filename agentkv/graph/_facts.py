@@ -33,9 +33,9 @@ class GraphFacts:
     the agents a session may start with; ``ended`` is bounded by ``max_ended`` and
     ordered oldest first; the graph never holds more than ``max_nodes`` nodes and
     ``max_edges`` edges (a declaration that would exceed them is refused whole).
-    ``version`` changes with every applied fact; ``graph_version`` only with a declaration,
-    the only fact the chain depends on (session events leave it, and what is built on the
-    chain, alone). A session event changes only whether its session is ended, which
+    ``version`` changes with every applied fact; ``graph_version`` only with a declaration
+    that changes the graph, the only fact the chain depends on (session events leave it, and
+    what is built on the chain, alone). A session event changes only whether its session is ended, which
     ``take_ended_changes`` tells (a session forgotten past ``max_ended`` included).
     """
 
@@ -69,6 +69,7 @@ class GraphFacts:
         nodes, entry = list(nodes), list(entry)
         edges, conditional_edges = list(edges), list(conditional_edges)
         self._check_room(nodes, [*edges, *conditional_edges], entry)
+        before = self.export()
         for node in nodes:
             if node not in (START, END):
                 self.graph.add_node(node)
@@ -85,7 +86,8 @@ class GraphFacts:
         self.entry.update(a for a in entry if a not in (START, END))
         self.graph.add_nodes_from(self.entry)
         self.version += 1
-        self.graph_version += 1
+        if self.export() != before:  # an app declaring its graph again at every start changes nothing
+            self.graph_version += 1
 
     def _check_room(self, nodes: list[str], pairs: list[tuple[str, str]], entry: list[str]) -> None:
         named = {*nodes, *entry, *(a for pair in pairs for a in pair)} - {START, END}

@@ -159,7 +159,8 @@ def restore_snapshot(path: str | os.PathLike[str], config: LearnerConfig | None 
     try:
         return load_learned_state(path, config)
     except SnapshotError as exc:
-        refused = os.path.realpath(path)  # a symlink at ``path`` stays, as a save keeps it
+        # a symlink to a file stays, as a save keeps it (one to a FIFO or a device goes itself)
+        refused = os.path.realpath(path) if os.path.isfile(path) else path
         kept = Path(f"{refused}.refused-{int(time.time())}")
         try:
             os.replace(refused, kept)

@@ -193,6 +193,22 @@ def test_a_snapshot_path_that_is_no_regular_file_is_refused_not_waited_on(tmp_pa
     os.mkfifo(fifo)  # reading it would block the server's start until someone writes
     with pytest.raises(SnapshotError, match="not a regular file"):
         load_snapshot(fifo)
+    link = tmp_path / "state.json"
+    link.symlink_to(fifo)
+    assert restore_snapshot(link) is None  # refused: the link is moved aside, never what it points to
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and not link.is_symlink()
+
+
+def test_declaring_the_same_graph_again_leaves_the_graph_version():
+    """An app declares its graph at every start: the scores built on the graph, and the snapshot,
+    were redone for nothing."""
+    facts = GraphFacts()
+    facts.declare_graph(["a", "b"], [("a", "b")], [("b", "a")], ["a"])
+    version, graph_version = facts.version, facts.graph_version
+    facts.declare_graph(["b", "a"], [("a", "b")], [("b", "a")], ["a"])
+    assert (facts.version, facts.graph_version) == (version + 1, graph_version)
+    facts.declare_graph(["a", "b"], [("b", "a")], [], [])  # b -> a becomes static: a change
+    assert facts.graph_version == graph_version + 1
 
 
 def test_snapshot_larger_than_max_agents_is_refused(tmp_path):
