@@ -1,12 +1,13 @@
-"""A dict with a size cap that forgets its least recently seen keys first."""
+"""Containers with a size cap: a dict that forgets its least recently seen keys first, and a set of
+changed keys that gives up listing them past its cap."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, KeysView, MutableMapping
-from typing import TypeVar
+from typing import Generic, TypeVar
 
-__all__ = ["BoundedDict"]
+__all__ = ["BoundedDict", "ChangeSet"]
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -77,3 +78,29 @@ class BoundedDict(MutableMapping[K, V]):
 
     def __repr__(self) -> str:
         return f"BoundedDict(cap={self._cap}, {dict(self._data)!r})"
+
+
+class ChangeSet(Generic[K]):
+    """The keys changed since the last :meth:`take`, up to ``cap`` of them.
+
+    Invariant: ``_changed`` holds every key added since the last ``take``, or is None once more
+    than ``cap`` were (a reader that did not ask for a while then takes everything as changed).
+    """
+
+    __slots__ = ("_cap", "_changed")
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._changed: set[K] | None = set()
+
+    def add(self, key: K) -> None:
+        changed = self._changed
+        if changed is not None:
+            changed.add(key)
+            if len(changed) > self._cap:
+                self._changed = None
+
+    def take(self) -> set[K] | None:
+        """The keys changed since the last call (None: too many to list); the next call starts afresh."""
+        changed, self._changed = self._changed, set()
+        return changed

@@ -13,7 +13,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from agentkv._bounded import BoundedDict
+from agentkv._bounded import BoundedDict, ChangeSet
 
 __all__ = ["END", "START", "FactsFull", "GraphFacts"]
 
@@ -51,7 +51,7 @@ class GraphFacts:
         self.max_edges = max_edges
         self.version = 0
         self.graph_version = 0
-        self._ended_changes: set[str] | None = set()  # see take_ended_changes; None: too many to list
+        self._ended_changes: ChangeSet[str] = ChangeSet(max_ended)  # see take_ended_changes
 
     # -- declaring -----------------------------------------------------------------
 
@@ -100,31 +100,23 @@ class GraphFacts:
 
     def start_session(self, session: str) -> None:
         if self.ended.pop(session, None) is not None:
-            self._ended_changed(session)
+            self._ended_changes.add(session)
         self.started[session] = None
         self.version += 1
 
     def end_session(self, session: str, *, cancelled: bool = False) -> None:
         self.started.pop(session, None)
         if session not in self.ended:
-            self._ended_changed(session)
+            self._ended_changes.add(session)
             if self.ended and len(self.ended) >= self.ended.cap:  # the oldest ended session is forgotten
-                self._ended_changed(next(iter(self.ended)))
+                self._ended_changes.add(next(iter(self.ended)))
         self.ended[session] = "cancel" if cancelled else "session_end"
         self.version += 1
-
-    def _ended_changed(self, session: str) -> None:
-        changes = self._ended_changes
-        if changes is not None:
-            changes.add(session)
-            if len(changes) > self.ended.cap:  # nobody asked for a while: say "all" instead
-                self._ended_changes = None
 
     def take_ended_changes(self) -> set[str] | None:
         """The sessions whose ``is_ended`` may have changed since the last call (None: too many to
         list, take every session as changed); the next call starts afresh."""
-        changes, self._ended_changes = self._ended_changes, set()
-        return changes
+        return self._ended_changes.take()
 
     def apply(self, event: Mapping[str, Any]) -> bool:
         """Apply one validated event (see agentkv.protocol.EVENTS_SCHEMA); False if a replay."""

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from agentkv._bounded import ChangeSet
+
 __all__ = ["GapTable", "LiveSessions", "SessionTiming", "TimingConfig"]
 
 # Gap histogram bins (seconds), log-spaced: 20 ms .. 2 h, ~30% wide. A gap below the first
@@ -198,7 +200,7 @@ class SessionTiming:
         self._lengths = np.zeros(_MAX_LENGTH)  # decayed counts of ended sessions by dispatches
         self._ends = 0  # sessions ended so far (the lengths decay once per end)
         self._expired: OrderedDict[str, tuple[_Session, int]] = OrderedDict()  # timed out: (state, ends then)
-        self._touched: set[str] | None = set()  # see ``take_touched``; None: more than max_sessions
+        self._touched: ChangeSet[str] = ChangeSet(self.config.max_sessions)  # see ``take_touched``
         self.version = 0
 
     # -- learning --------------------------------------------------------------------
@@ -224,21 +226,13 @@ class SessionTiming:
         self._sessions[session] = _Session(agent, now, step, dispatches, None, running)
         if len(self._sessions) > self.config.max_sessions:
             self._sessions.popitem(last=False)
-        self._touch(session)
+        self._touched.add(session)
         self.version += 1
-
-    def _touch(self, session: str) -> None:
-        touched = self._touched
-        if touched is not None:
-            touched.add(session)
-            if len(touched) > self.config.max_sessions:  # nobody asked for a while: say "all" instead
-                self._touched = None
 
     def take_touched(self) -> set[str] | None:
         """The sessions that had a request, a told answer or an end since the last call (None:
         too many to list, take every session as touched); the next call starts afresh."""
-        touched, self._touched = self._touched, set()
-        return touched
+        return self._touched.take()
 
     def finished(self, session: str) -> None:
         """A request of the session finished (answered, aborted or failed): it no longer keeps
@@ -247,7 +241,7 @@ class SessionTiming:
         if state is None:
             return
         self._sessions[session] = state._replace(running=max(0, state.running - 1))
-        self._touch(session)  # re-evaluated with the next evaluation: an answer alone need not start one
+        self._touched.add(session)  # re-evaluated with the next evaluation: an answer alone need not start one
 
     def answered(self, session: str, tool_call: bool) -> None:
         """The session's last request finished; its answer was a tool call or not (a tool call
@@ -255,7 +249,7 @@ class SessionTiming:
         state = self._sessions.get(session)
         if state is not None and state.tool_call is not tool_call:
             self._sessions[session] = state._replace(tool_call=tool_call)
-            self._touch(session)
+            self._touched.add(session)
             self.version += 1
 
     def end(self, session: str) -> None:
@@ -279,7 +273,7 @@ class SessionTiming:
         self._lengths *= _LENGTH_DECAY
         self._lengths[min(state.dispatches, _MAX_LENGTH) - 1] += 1.0
         self._ends += 1
-        self._touch(session)
+        self._touched.add(session)
         self.version += 1
 
     def _revived(self, session: str) -> _Session | None:
