@@ -10,15 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agentkv.protocol import validate_id
-
 from ._entropy import predictability_of_counts, transition_entropy_ratio
+from ._learner_state import LearnerState
 from ._lineage import LearnedTransition, Observation, SessionLineage
 from ._peers import PeerCounts, PeerExport
-
-# A restored learner's counts in all: far beyond what any server learns (a decayed learner holds a
-# few thousand per part), far below where sums overflow.
-_MAX_TOTAL_WEIGHT = 1e15
 
 __all__ = ["LearnerConfig", "Observation", "TransitionLearner", "transition_entropy_ratio"]
 
@@ -61,7 +56,8 @@ class TransitionLearner:
     transitions, ``_entry[j] / _weight`` the number of sessions that started at j,
     ``_ends[i] / _weight`` the number that ended (or went idle) after i and
     ``_interposed[i] / _weight`` the number of i's calls found interposed (see :meth:`observe`);
-    ``_best[i]`` is an argmax of row i (-1: empty row);
+    ``_best[i]`` is an argmax of row i (-1: empty row); ``_agent_seen[i]`` is the dispatch number
+    of agent i's last sighting, at most ``_dispatches`` (a snapshot keeps it: ``_learner_state.py``);
     every agent index in ``_sessions`` names a live agent; ``_sessions`` is ordered by
     last activity, least recent first; ``_naming[i]`` holds exactly the live sessions whose
     lineage names slot i (as their agent, or as the previous agent of what their call taught),
@@ -444,57 +440,29 @@ class TransitionLearner:
         return names, counts[held][:, held], entry[held], ends[held], interposed[held]
 
     def export_state(self) -> dict[str, object]:
+        """The learned state (``_learner_state.py`` lists what is kept), as plain JSON types."""
         names, counts, entry, ends, interposed = self._held()  # peers' counts are theirs to persist
-        return {
-            "agents": list(names),
-            "counts": counts.tolist(),
-            "entry": entry.tolist(),
-            "ends": ends.tolist(),
-            "interposed": interposed.tolist(),
-            "dispatches": self._dispatches,
-            "predictions": self._predictions,
-            "correct": self._correct,
-        }
+        seen = self._agent_seen[[self._index[name] for name in names]]
+        return LearnerState(list(names), counts, entry, ends, interposed, seen, self._dispatches, self._predictions,
+                            self._correct).document()
 
     def import_state(self, state: dict[str, object]) -> None:
-        """Replace the learned counts (sessions are transient and start empty).
-
-        ``interposed`` may be absent (state written before it was learned): zeros.
-        """
-        agents = state["agents"]
-        if not isinstance(agents, list) or len(set(map(str, agents))) != len(agents):
-            raise ValueError("agents must be a list of distinct names")
-        for name in agents:  # as the wire admits them (stats, /metrics and every peer read them)
-            validate_id(name, "agent")
-        tallies = [state.get(key, 0) for key in ("dispatches", "predictions", "correct")]
-        if not all(type(n) is int and 0 <= n < 2**62 for n in tallies):
-            raise ValueError("dispatches, predictions and correct must be integers in [0, 2**62)")
-        n = len(agents)
-        counts = np.asarray(state["counts"], dtype=float)
-        if n == 0 and counts.size == 0:  # nothing learned yet: JSON's [] reads as shape (0,), not (0, 0)
-            counts = counts.reshape(0, 0)
-        entry = np.asarray(state["entry"], dtype=float)
-        ends = np.asarray(state["ends"], dtype=float)
-        interposed = np.asarray(state.get("interposed", [0.0] * n), dtype=float)
-        if n > self.config.max_agents:
-            raise ValueError(f"{n} agents exceed max_agents={self.config.max_agents}")
-        if counts.shape != (n, n) or any(a.shape != (n,) for a in (entry, ends, interposed)):
-            raise ValueError("counts must be n x n, entry, ends and interposed of length n")
-        arrays = (counts, entry, ends, interposed)
-        if not all(np.isfinite(a).all() and (a >= 0).all() for a in arrays):
-            raise ValueError("counts must be finite and non-negative")
-        if not sum(float(a.sum()) for a in arrays) <= _MAX_TOTAL_WEIGHT:  # sums would overflow the model
-            raise ValueError(f"counts must total at most {_MAX_TOTAL_WEIGHT:g}")
+        """Replace the learned state with an ``export_state`` (an older agentkv's too; sessions are
+        transient and start empty); ValueError, leaving this learner as it was, if it is not valid."""
+        restored = LearnerState.parse(state, self.config.max_agents)
+        n = len(restored.agents)
         fresh = TransitionLearner(self.config, clock=self.clock)
-        for name in agents:
+        for name in restored.agents:
             fresh._intern(name)
-        fresh._counts[:n, :n] = counts
-        fresh._entry[:n] = entry
-        fresh._ends[:n] = ends
-        fresh._interposed[:n] = interposed
+        fresh._counts[:n, :n] = restored.counts
+        fresh._entry[:n] = restored.entry
+        fresh._ends[:n] = restored.ends
+        fresh._interposed[:n] = restored.interposed
+        fresh._agent_seen[:n] = restored.seen  # interning stamped them all 0: the first recycled would be slot 0
         for row in range(n):
             fresh._recompute_best(row)
-        fresh._dispatches, fresh._predictions, fresh._correct = tallies
+        fresh._dispatches, fresh._predictions = restored.dispatches, restored.predictions
+        fresh._correct = restored.correct
         version = self.version + 1
         self.__dict__.update(fresh.__dict__)
         self.version = version

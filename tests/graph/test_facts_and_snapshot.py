@@ -18,6 +18,7 @@ from agentkv.graph import (
     load_snapshot,
     restore_snapshot,
     save_snapshot,
+    snapshot_document,
 )
 from agentkv.protocol import validate_events
 
@@ -217,3 +218,55 @@ def test_snapshot_larger_than_max_agents_is_refused(tmp_path):
     save_snapshot(path, learner, facts)
     with pytest.raises(SnapshotError, match="max_agents"):
         load_snapshot(path, LearnerConfig(max_agents=2))
+
+
+def _full_learner() -> TransitionLearner:
+    """At max_agents (4): slot 0's agent the busiest and the most recent, "stale" the one seen least
+    recently (but with more evidence than "light", which the others' evidence all exceeds)."""
+    learner = TransitionLearner(LearnerConfig(max_agents=4))
+    for n, agent in enumerate(["busy"] + ["stale"] * 5 + ["light"] + ["mid"] * 2 + ["busy"] * 10):
+        learner.observe(agent, session=f"s{n}", parent="")
+    assert learner.agents == ["busy", "stale", "light", "mid"]
+    return learner
+
+
+def _restored_then_new_agent(path, document: dict) -> list[str]:
+    path.write_text(json.dumps(document))
+    state = restore_snapshot(path, LearnerConfig(max_agents=4))
+    assert state is not None
+    state.learner.observe("newcomer", session="new", parent="")
+    return state.learner.agents
+
+
+def test_a_restored_learner_recycles_the_agent_seen_least_recently_before_the_save(tmp_path):
+    """Restored agents were all stamped as seen at dispatch 0, so the first new agent recycled slot 0:
+    here the busiest agent, seen last."""
+    learner = _full_learner()
+    path = tmp_path / "learned.json"
+    save_snapshot(path, learner)
+    document = json.loads(path.read_text())
+    assert _restored_then_new_agent(path, document) == ["busy", "newcomer", "light", "mid"]
+    assert document["learner"]["seen"] == [19, 6, 7, 9]  # the dispatch number of each agent's last sighting
+    learner.observe("newcomer", session="new", parent="")
+    assert learner.agents == ["busy", "newcomer", "light", "mid"]  # as without the restart
+
+
+def test_a_snapshot_without_sightings_recycles_the_agent_with_the_least_evidence(tmp_path):
+    """An older agentkv's snapshot: its agents rank as seen in the order of their evidence."""
+    document = snapshot_document(_full_learner())
+    del document["learner"]["seen"]
+    assert _restored_then_new_agent(tmp_path / "learned.json", document) == ["busy", "stale", "newcomer", "mid"]
+    state = restore_snapshot(tmp_path / "learned.json", LearnerConfig(max_agents=4))
+    save_snapshot(tmp_path / "again.json", state.learner)  # what it saves again is valid: sightings <= dispatches
+    assert json.loads((tmp_path / "again.json").read_text())["learner"]["seen"] == [3, 2, 0, 1]
+
+
+@pytest.mark.parametrize("seen", [[19, 6, 7], [19, 6, 7, 9, 1], [20, 6, 7, 9], [-1, 6, 7, 9], [19.0, 6, 7, 9],
+                                  [True, 6, 7, 9], "19,6,7,9", None])
+def test_bad_sightings_are_refused_with_a_reason(tmp_path, seen):
+    document = snapshot_document(_full_learner())
+    document["learner"]["seen"] = seen
+    path = tmp_path / "learned.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(SnapshotError, match="seen must be 4 integers in"):
+        load_snapshot(path, LearnerConfig(max_agents=4))
