@@ -15,11 +15,11 @@ import numpy as np
 
 from agentkv.protocol import validate_id
 
-from ._timing import _BINS, _EDGE_LIST, _MAX_LENGTH, SessionTiming, TimingConfig
+from ._timing import _BINS, _EDGE_LIST, _LENGTH_DECAY, _MAX_LENGTH, SessionTiming, TimingConfig
 
 __all__ = ["export_timing", "import_timing"]
 
-_MAX_COUNT = 1e15  # a decayed total stays near 1.44 x half_life; more is no state a SessionTiming held
+_MAX_COUNT = 1e15  # counts that are not decayed (the answers told of), and any total: sums stay exact below
 _MAX_WEIGHT = 1e100  # ``_add_gap`` rescales a weight past this back to 1
 _MAX_TALLY = 2**62
 
@@ -61,13 +61,17 @@ def import_timing(state: object, config: TimingConfig | None = None) -> SessionT
     if len(set(agents)) != len(agents):
         raise ValueError("timing: agent names repeat")
     n = len(agents)
+    # Decayed counts beyond what decay lets a SessionTiming of this half-life hold are refused (the part
+    # dropped with a warning), not scaled down: no such SessionTiming wrote them, so, like the learner's
+    # counts past their bound, they are corrupt or forged, and scaled they would pass for a real history.
+    gaps_bound = _decayed_total(timing._decay)  # per agent, and the pooled gaps (one decay per gap)
     weights = _numbers(state["weights"], n, "weights", _MAX_WEIGHT, low=1.0)
     gaps = _list(state["gaps"], n, "gaps")
     continued = _tallies(state["continued"], n, "continued")
     handed_off = _tallies(state["handed_off"], n, "handed_off")
     told = _list(state["after_told"], n, "after_told")
     for agent, rows, weight, told_rows in zip(agents, gaps, weights, told, strict=True):
-        timing._hist[agent] = _histogram(rows, weight, f"gaps of {agent!r}")
+        timing._hist[agent] = _histogram(rows, weight, gaps_bound, f"gaps of {agent!r}")
         timing._weight[agent] = weight
         for tool_call, pair in zip((False, True), _list(told_rows, 2, "after_told"), strict=True):
             same, following = _numbers(pair, 2, "after_told", _MAX_COUNT)
@@ -76,9 +80,13 @@ def import_timing(state: object, config: TimingConfig | None = None) -> SessionT
     timing._continued = {agent: n for agent, n in zip(agents, continued, strict=True) if n}
     timing._handed_off = {agent: n for agent, n in zip(agents, handed_off, strict=True) if n}
     global_weight = _numbers([state["global_weight"]], 1, "global_weight", _MAX_WEIGHT, low=1.0)[0]
-    timing._global = _histogram(state["global"], global_weight, "global gaps")
+    timing._global = _histogram(state["global"], global_weight, gaps_bound, "global gaps")
     timing._global_weight = global_weight
-    timing._lengths = np.array(_numbers(state["lengths"], _MAX_LENGTH, "lengths", _MAX_COUNT), dtype=float)
+    lengths_bound = _decayed_total(1.0 / _LENGTH_DECAY)  # one decay per ended session
+    lengths = _numbers(state["lengths"], _MAX_LENGTH, "lengths", lengths_bound)
+    if not sum(lengths) <= lengths_bound:
+        raise ValueError(f"timing: lengths must total at most {lengths_bound:g}")
+    timing._lengths = np.array(lengths, dtype=float)
     tallies = state["tallies"]
     if type(tallies) is not dict:
         raise ValueError("timing: tallies must be an object")
@@ -108,9 +116,17 @@ def _tallies(value: object, length: int, what: str) -> list[int]:
     return numbers
 
 
-def _histogram(value: object, weight: float, what: str) -> list[list[float]]:
-    """Two rows (tool, hand-off) of ``_BINS`` decayed counts, multiplied by ``weight``."""
-    rows = [_numbers(row, _BINS, what, _MAX_COUNT * weight) for row in _list(value, 2, what)]
-    if sum(map(sum, rows)) / weight > _MAX_COUNT:
-        raise ValueError(f"timing: {what} must total at most {_MAX_COUNT:g}")
+def _decayed_total(growth: float) -> float:
+    """The most decayed counts can total when each new count weighs ``growth`` times the one before
+    (the older ones divided by it): 1 + 1/growth + 1/growth**2 + ... = growth / (growth - 1), 721.8 at a
+    half-life of 500 gaps, plus rounding's slack (``growth - 1`` is exact, ``1 - 1/growth`` is not);
+    ``_MAX_COUNT`` when little or nothing is forgotten."""
+    return min(growth / (growth - 1.0) * (1.0 + 1e-6), _MAX_COUNT) if growth > 1.0 else _MAX_COUNT
+
+
+def _histogram(value: object, weight: float, bound: float, what: str) -> list[list[float]]:
+    """Two rows (tool, hand-off) of ``_BINS`` decayed counts, multiplied by ``weight``, totalling at most ``bound``."""
+    rows = [_numbers(row, _BINS, what, bound * weight) for row in _list(value, 2, what)]
+    if not sum(map(sum, rows)) / weight <= bound:
+        raise ValueError(f"timing: {what} must total at most {bound:g}")
     return rows

@@ -139,7 +139,9 @@ def _delete(key: str):
         (_set(("gaps", 0, 0, 3), float("inf")), "gaps of '"),
         (_set(("gaps", 0, 0, 3), True), "gaps of '"),
         (_set(("gaps", 0, 1), [0.0] * 47), "gaps of '"),
-        (_set(("gaps", 0, 1), [1e14] * 48), "total at most"),
+        (_set(("gaps", 0, 1), [20.0] * 48), "total at most 721.8"),  # a SessionTiming holds at most 721.8
+        (_set(("gaps", 0, 1), [1e6] * 48), "numbers in"),  # accepted up to 1e15: it outweighed every gap for ever
+        (_set(("global", 1, 3), 1e6), "global gaps"),
         (_set(("gaps",), []), "gaps must be a list"),
         (_set(("continued", 0), 1.5), "continued"),
         (_set(("handed_off", 0), 2**62), "handed_off"),
@@ -149,6 +151,7 @@ def _delete(key: str):
         (_set(("global_weight",), "1"), "global_weight"),
         (_set(("lengths",), [0.0] * 65), "lengths"),
         (_set(("lengths", 2), 1e300), "lengths"),
+        (_set(("lengths",), [4.0] * 64), "lengths must total at most 200"),  # decayed by 0.995 per end
         (_set(("tallies", "gaps"), -1), "tallies"),
         (_set(("tallies",), [1, 2, 3]), "tallies"),
         (_delete("weights"), "weights"),
@@ -169,6 +172,23 @@ def test_a_bad_timing_part_is_dropped_and_the_learned_counts_kept(tmp_path, capl
         state = load_learned_state(path)
     assert state.learner.agents == ["a", "b"] and state.timing.gaps == 0 and state.timing.gap_agents == 0
     assert "dropping its session timing" in caplog.text and path.exists()  # the file stays: the next save replaces it
+
+
+@pytest.mark.parametrize("half_life", [500.0, 0.5])
+def test_a_saturated_timing_is_restored(tmp_path, half_life):
+    """Its decayed counts at their most, what the refusal of larger ones is bound to (a half-life of
+    0.5 gaps rescales the weights every ~170 gaps)."""
+    config = TimingConfig(half_life=half_life)
+    timing = SessionTiming(config)
+    for n in range(int(40 * half_life) + 400):
+        timing.observe("s", "loop", 0.5 * n, n % 2)  # a gap within the dispatch, then one to the next
+    for n in range(3000):
+        timing.observe(f"e{n}", "loop", 0.0)
+        timing.end(f"e{n}")
+    held = np.array(timing._hist["loop"]).sum() / timing._weight["loop"]
+    assert held == pytest.approx(1 / (1 - 2 ** (-1 / half_life)), rel=1e-6)
+    assert timing._lengths.sum() == pytest.approx(200.0, rel=1e-6)
+    _assert_same_outputs(import_timing(json.loads(json.dumps(export_timing(timing))), config), timing)
 
 
 def test_more_agents_than_the_timing_holds_are_refused():
