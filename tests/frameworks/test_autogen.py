@@ -1,4 +1,4 @@
-"""AutoGen adapter: speakers and selector tagged exactly, streaming, facts, events; GraphFlow follows its graph."""
+"""AutoGen adapter: speakers and selector tagged exactly, streaming, facts, events (GraphFlow: test_autogen_graph)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ pytest.importorskip("autogen_agentchat")
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.base import TaskResult
 from autogen_agentchat.conditions import MaxMessageTermination
-from autogen_agentchat.messages import TextMessage
-from autogen_agentchat.teams import DiGraphBuilder, GraphFlow, RoundRobinGroupChat, SelectorGroupChat
+from autogen_agentchat.teams import RoundRobinGroupChat, SelectorGroupChat
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
 from agentkv.frameworks import Dispatch, current_tag, on_dispatch_end
-from agentkv.frameworks._autogen_graph import GraphLineage
 from agentkv.frameworks.autogen import TaggedModelClient, instrument, instrumentation, team_facts
 from agentkv.graph import TransitionLearner
 from agentkv.protocol import validate_events
@@ -352,118 +350,3 @@ def test_agents_shared_by_several_teams_are_tagged_for_the_team_running(server):
         server.requests.clear()
         asyncio.run(run(team))
         assert [t[:2] for t in server.tags()] == [("x", session), ("y", session)]
-
-
-def graph_flow(server: FakeOpenAI, edges: list[tuple[str, str, Any]], **kwargs: Any) -> GraphFlow:
-    """A GraphFlow of one agent per node of ``edges`` ((source, target, condition)), in order of appearance;
-    the first one is its entry."""
-    names = list(dict.fromkeys(n for source, target, _ in edges for n in (source, target)))
-    agents = {n: AssistantAgent(n, model_client=client(server), system_message=f"You are {n}.") for n in names}
-    builder = DiGraphBuilder()
-    for agent in agents.values():
-        builder.add_node(agent)
-    for source, target, condition in edges:
-        builder.add_edge(agents[source], agents[target], condition=condition)
-    builder.set_entry_point(names[0])
-    return GraphFlow(list(agents.values()), graph=builder.build(), **kwargs)
-
-
-def test_graph_flow_facts_are_its_declared_graph():
-    """A GraphFlow declares its graph: its edges, not all-to-all, and its start node as the only entry."""
-    team = graph_flow(FakeOpenAI(), [("writer", "reviewer", None), ("reviewer", "writer", "REVISE"),
-                                     ("reviewer", "publisher", "APPROVE")], max_turns=9)
-    facts = team_facts(team)
-    validate_events({"version": 1, "events": [facts]})
-    assert facts["nodes"] == ["publisher", "reviewer", "writer"]
-    assert facts["edges"] == [["writer", "reviewer"]]
-    assert facts["conditional_edges"] == [["reviewer", "publisher"], ["reviewer", "writer"]]
-    assert facts["entry"] == ["writer"]
-
-
-def test_graph_flow_branches_and_join_follow_the_graph(server, dispatches):
-    """Fan-out planner -> (coder, tester), join -> writer: both branches follow the planner at one
-    step (siblings, not a chain), the join follows the branch that ended last, and no selector calls."""
-    team = instrument(graph_flow(server, [("planner", "coder", None), ("planner", "tester", None),
-                                          ("coder", "writer", None), ("tester", "writer", None)]), session="g-1")
-    result = asyncio.run(team.run(task="build it"))
-    speakers = [m.source for m in result.messages if isinstance(m, TextMessage)]
-    assert speakers[0] == "user" and speakers[1] == "planner" and speakers[-1] == "writer"
-    last_branch = speakers[-2]  # the branch whose answer completed the join
-    assert sorted(server.tags()) == sorted([
-        ("planner", "g-1", "", 1),
-        ("coder", "g-1", "planner", 2),
-        ("tester", "g-1", "planner", 2),
-        ("writer", "g-1", last_branch, 3),
-    ])
-    assert sorted((d.agent, d.parent, d.step) for d in dispatches if d.session == "g-1") == [
-        ("coder", "planner", 2), ("planner", "", 1), ("tester", "planner", 2), ("writer", last_branch, 3)]
-
-
-def test_graph_flow_loop_follows_its_conditions_across_runs(server):
-    """A review loop: each speaker follows the one whose edge fired; a run continuing the conversation
-    starts at the entry again (parent "", the step going on), and after reset the old turns are gone."""
-    server.script("reviewer", "REVISE: shorter", "APPROVE", "APPROVE", "APPROVE")
-    team = instrument(graph_flow(server, [("writer", "reviewer", None), ("reviewer", "writer", "REVISE"),
-                                          ("reviewer", "publisher", "APPROVE")], max_turns=9))
-
-    async def two_runs_then_reset_and_one() -> None:
-        await team.run(task="write it")
-        await team.run(task="once more")  # the graph completed: it starts again at its entry
-        await team.reset()
-        await team.run(task="new")
-
-    asyncio.run(two_runs_then_reset_and_one())
-    first, second = server.tags()[0][1], server.tags()[-1][1]
-    assert first != second
-    assert server.tags() == [
-        ("writer", first, "", 1),
-        ("reviewer", first, "writer", 2),
-        ("writer", first, "reviewer", 3),  # REVISE fired reviewer -> writer
-        ("reviewer", first, "writer", 4),
-        ("publisher", first, "reviewer", 5),  # APPROVE fired reviewer -> publisher
-        ("writer", first, "", 6),
-        ("reviewer", first, "writer", 7),
-        ("publisher", first, "reviewer", 8),
-        ("writer", second, "", 1),
-        ("reviewer", second, "writer", 2),
-        ("publisher", second, "reviewer", 3),
-    ]
-
-
-def test_a_run_after_the_graph_completed_starts_at_its_entry_even_where_an_edge_leads_back_to_it(server):
-    """critic -> writer fires always: the second run's writer followed the first run's critic (a
-    transition that never happened, at a step already used) though GraphFlow had gone back to its
-    start node."""
-    server.script("writer", "DRAFT 1", "FINAL", "FINAL")
-    team = instrument(graph_flow(server, [("writer", "critic", "DRAFT"), ("critic", "writer", None),
-                                          ("writer", "publisher", "FINAL")], max_turns=20), session="s1")
-
-    async def two_runs() -> None:
-        await team.run(task="write")
-        await team.run(task="again")  # continues the conversation after the graph completed
-
-    asyncio.run(two_runs())
-    assert server.tags() == [("writer", "s1", "", 1), ("critic", "s1", "writer", 2), ("writer", "s1", "critic", 3),
-                             ("publisher", "s1", "writer", 4),
-                             ("writer", "s1", "", 5), ("publisher", "s1", "writer", 6)]
-
-
-def test_graph_lineage_ignores_a_parent_whose_edge_did_not_fire():
-    """``any`` activation: c runs after a's edge fired; b, which ended later, said no to its edge."""
-    server = FakeOpenAI()
-    agents = {n: AssistantAgent(n, model_client=client(server)) for n in "abc"}
-    builder = DiGraphBuilder()
-    for agent in agents.values():
-        builder.add_node(agent)
-    builder.add_edge(agents["a"], agents["c"], activation_condition="any")
-    builder.add_edge(agents["b"], agents["c"], condition="go", activation_condition="any")
-    lineage = GraphLineage(builder.build())
-    lineage.begin_run(0)
-    assert lineage.predecessor("a") == lineage.predecessor("b") == ("", 1)  # two start nodes: siblings
-    lineage.turn_ended("a", "a", 1, TextMessage(content="done", source="a"))
-    lineage.turn_ended("b", "b", 1, TextMessage(content="stop", source="b"))
-    assert lineage.predecessor("c") == ("a", 2)
-    lineage.turn_ended("b", "b", 1, TextMessage(content="go on", source="b"))
-    assert lineage.predecessor("c") == ("b", 2)
-    lineage.clear()
-    assert lineage.predecessor("c") == ("", 1)
