@@ -11,16 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from agentkv.client import ERRORS, sanitize_id
 
-__all__ = ["GRAPH_COMPLETE", "GraphLineage", "digraph_of", "team_facts"]
-
-# A GraphFlow run's stop reason when no node is left to run: it then goes back to its start nodes
-GRAPH_COMPLETE = "Digraph execution is complete"
+__all__ = ["GraphLineage", "digraph_of", "team_facts"]
 
 
 def digraph_of(team: Any) -> Any | None:
@@ -97,6 +94,9 @@ def team_facts(team: Any) -> dict[str, Any]:
     return event
 
 
+_UNFOLLOWED = "GraphFlow's manager cannot be hooked: a run after its graph's end follows the turns before it"
+
+
 @dataclass(frozen=True, slots=True)
 class _Turn:
     seq: int  # order of the turns' ends
@@ -112,7 +112,8 @@ class GraphLineage:
     an entry. Its step is one more than its predecessor's (an entry's: one more than any step before
     the run), so the branches of a fan-out are siblings of one step.
 
-    Remembers each participant's latest turn only, for the team's conversation (``clear`` at reset).
+    Remembers each participant's latest turn only, until GraphFlow goes back to its start nodes
+    (:meth:`follow_resets`) or the team's conversation ends.
     """
 
     def __init__(self, graph: Any) -> None:
@@ -132,6 +133,41 @@ class GraphLineage:
     def clear(self) -> None:
         with self._lock:
             self._latest.clear()
+
+    def follow_resets(self, team: Any) -> None:
+        """Clear whenever ``team`` (a ``GraphFlow``) goes back to its start nodes: its graph ran to its
+        end, or the team was reset.
+
+        Its manager does that within the run, so it holds whether or not the run's consumer reads
+        ``run_stream`` on to the ``TaskResult``: AutoGen lets a run closed or cancelled early go on
+        until its runtime is idle (the graph's end, or a termination condition). Hooks the manager
+        the team creates at its first run (autogen-agentchat 0.7.5: ``_reset_execution_state``).
+        """
+        create_factory = getattr(team, "_create_group_chat_manager_factory", None)
+        if not callable(create_factory):
+            ERRORS.record("autogen graph reset", message=_UNFOLLOWED)
+            return
+
+        def create_following_factory(*args: Any, **kwargs: Any) -> Callable[[], Any]:
+            factory = create_factory(*args, **kwargs)
+
+            def create_manager() -> Any:
+                manager = factory()
+                reset_execution_state = getattr(manager, "_reset_execution_state", None)
+                if not callable(reset_execution_state):
+                    ERRORS.record("autogen graph reset", message=_UNFOLLOWED)
+                    return manager
+
+                def reset_and_clear() -> None:
+                    reset_execution_state()
+                    self.clear()
+
+                manager._reset_execution_state = reset_and_clear
+                return manager
+
+            return create_manager
+
+        team._create_group_chat_manager_factory = create_following_factory
 
     def predecessor(self, node: str) -> tuple[str, int]:
         """``(parent, step)`` for a turn of ``node`` starting now (parent ``""`` for an entry)."""

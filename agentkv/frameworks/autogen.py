@@ -37,7 +37,7 @@ from agentkv.client import (
 )
 from agentkv.protocol import AgentTag
 
-from ._autogen_graph import GRAPH_COMPLETE, GraphLineage, digraph_of, team_facts
+from ._autogen_graph import GraphLineage, digraph_of, team_facts
 from ._events import EventSink, SinkHandle, get_sink, session_event
 
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
@@ -156,6 +156,8 @@ class TeamInstrumentation:
         self.speakers: list[tuple[str, str | None, int | None]] = []  # (agent, parent, step) of the last run
         graph = digraph_of(team)
         self.graph = None if graph is None else GraphLineage(graph)  # a GraphFlow's speakers follow its graph
+        if self.graph is not None:
+            self.graph.follow_resets(team)
 
     # -- session ---------------------------------------------------------------------
 
@@ -391,8 +393,6 @@ async def _session_stream(
     try:
         inner = original(*args, **kwargs)
         async for item in inner:
-            if state.graph is not None and getattr(item, "stop_reason", None) == GRAPH_COMPLETE:
-                state.graph.clear()  # the graph ran to its end: a next run starts at its start nodes
             yield item
     finally:
         try:
@@ -414,7 +414,8 @@ def instrument(
 ) -> Any:
     """Tag every model call of an AutoGen team (``SelectorGroupChat``, round robin, swarm, ``GraphFlow``).
 
-    Call it before the team's first run (AutoGen hands the selector's client to its manager then).
+    Call it before the team's first run (AutoGen creates its manager then, handing it the selector's
+    client; a ``GraphFlow``'s manager is hooked to follow its graph's resets).
     A session is the team's conversation: a run continues it (AutoGen keeps the messages), and
     ``team.reset()`` ends it. ``session``: a fixed session id or a function returning one per
     conversation; default a new id per conversation. ``events_url``: the vLLM server (base URL or
@@ -428,7 +429,8 @@ def instrument(
     if existing is not None:
         return team
     if getattr(team, "_initialized", False):
-        ERRORS.record("autogen instrument", message="team already ran: the selector's model calls stay untagged")
+        ERRORS.record("autogen instrument", message="team already ran: its manager is not instrumented (the"
+                      " selector's model calls stay untagged, a GraphFlow's lineage misses its graph's ends)")
     sink = get_sink(events_url) if events_url else None
     state = TeamInstrumentation(team, session=session, selector_name=selector_name, sink=sink)
     for participant in getattr(team, "_participants", []):

@@ -10,9 +10,11 @@ import pytest
 pytest.importorskip("autogen_agentchat")
 
 from autogen_agentchat.agents import AssistantAgent
+from autogen_agentchat.base import TaskResult
 from autogen_agentchat.messages import TextMessage
 from autogen_agentchat.teams import DiGraphBuilder, GraphFlow
 
+from agentkv.client import ERRORS
 from agentkv.frameworks._autogen_graph import GraphLineage
 from agentkv.frameworks.autogen import instrument, team_facts
 from agentkv.protocol import validate_events
@@ -134,3 +136,60 @@ def test_graph_lineage_ignores_a_parent_whose_edge_did_not_fire():
     assert lineage.predecessor("c") == ("b", 2)
     lineage.clear()
     assert lineage.predecessor("c") == ("", 1)
+
+
+@pytest.mark.parametrize("last_read", ["writer", "publisher"])
+def test_a_run_whose_consumer_stops_reading_early_still_ends_where_graphflow_does(server, last_read):
+    """A consumer that closes ``run_stream`` before its ``TaskResult`` (it has the answer it wanted):
+    AutoGen finishes the run anyway, and GraphFlow, its graph at its end, starts again at its start
+    node; the next run's writer followed the previous run's critic (a false transition)."""
+    server.script("writer", "DRAFT 1", "FINAL", "FINAL")
+    team = instrument(graph_flow(server, [("writer", "critic", "DRAFT"), ("critic", "writer", None),
+                                          ("writer", "publisher", "FINAL")], max_turns=20), session="s1")
+
+    async def read_until_then_run_again() -> TaskResult:
+        stream = team.run_stream(task="write")
+        async for message in stream:
+            if isinstance(message, TextMessage) and message.source == last_read:
+                break
+        await stream.aclose()
+        return await team.run(task="again")
+
+    again = asyncio.run(read_until_then_run_again())
+    assert [m.source for m in again.messages] == ["user", "writer", "publisher"]  # from the start node
+    assert server.tags() == [("writer", "s1", "", 1), ("critic", "s1", "writer", 2), ("writer", "s1", "critic", 3),
+                             ("publisher", "s1", "writer", 4),
+                             ("writer", "s1", "", 5), ("publisher", "s1", "writer", 6)]
+
+
+def test_a_run_whose_consumer_stops_reading_early_resumes_a_graph_stopped_midway(server):
+    """The run closed early stops midway (max_turns) with the critic -> writer edge fired: GraphFlow
+    resumes there, and so does the lineage (the writer follows the critic)."""
+    server.script("writer", "DRAFT 1", "FINAL")
+    team = instrument(graph_flow(server, [("writer", "critic", "DRAFT"), ("critic", "writer", None),
+                                          ("writer", "publisher", "FINAL")], max_turns=2), session="s1")
+
+    async def read_one_then_run_again() -> TaskResult:
+        stream = team.run_stream(task="write")
+        async for message in stream:
+            if isinstance(message, TextMessage) and message.source == "writer":
+                break
+        await stream.aclose()
+        return await team.run(task="go on")
+
+    again = asyncio.run(read_one_then_run_again())
+    assert [m.source for m in again.messages] == ["user", "writer", "publisher"]
+    assert server.tags() == [("writer", "s1", "", 1), ("critic", "s1", "writer", 2),
+                             ("writer", "s1", "critic", 3), ("publisher", "s1", "writer", 4)]
+
+
+def test_a_graph_flow_whose_manager_cannot_be_hooked_is_counted_not_raised(monkeypatch):
+    """Another AutoGen version (no manager factory, or a manager without ``_reset_execution_state``):
+    the lineage cannot follow the graph's resets, which is counted, and the team still runs."""
+    monkeypatch.setattr(ERRORS, "by_kind", type(ERRORS.by_kind)())
+    lineage = GraphLineage(graph_flow(FakeOpenAI(), [("a", "b", None)])._graph)
+    lineage.follow_resets(object())
+    team = type("Team", (), {"_create_group_chat_manager_factory": lambda self, **kw: object})()
+    lineage.follow_resets(team)
+    assert type(team._create_group_chat_manager_factory(name="m")()) is object
+    assert ERRORS.by_kind["autogen graph reset"] == 2
