@@ -121,6 +121,7 @@ class GraphLineage:
         for name, node in graph.nodes.items():
             for edge in node.edges:
                 self._parents.setdefault(str(edge.target), []).append((str(name), edge))
+                _record_answers(edge)
         self._latest: dict[str, _Turn] = {}  # by node name
         self._seq = 0
         self._run_step = 0  # the highest step before the running run
@@ -186,12 +187,49 @@ class GraphLineage:
             self._latest[node] = _Turn(self._seq, agent, step, message)
 
 
+class _RecordedCondition:
+    """An edge's condition function that keeps its latest answer, for the message it was asked about."""
+
+    __slots__ = ("_latest", "function")
+
+    def __init__(self, function: Callable[[Any], Any]) -> None:
+        self.function = function
+        self._latest: tuple[Any, Any] | None = None  # (message, answer)
+
+    def __call__(self, message: Any) -> Any:
+        answer = self.function(message)
+        self._latest = (message, answer)
+        return answer
+
+    def answer_for(self, message: Any) -> bool | None:
+        """The answer given about ``message`` (this very object), or None if not asked about it last."""
+        latest = self._latest
+        return bool(latest[1]) if latest is not None and latest[0] is message else None
+
+
+def _record_answers(edge: Any) -> None:
+    """Have ``edge``'s condition function, if any, keep GraphFlow's answers: its manager asks it about
+    each turn's final message before picking the next speakers, so :func:`_fires` reads that answer
+    instead of calling the app's function (side effects, cost) a second time."""
+    function = getattr(edge, "condition_function", None)
+    if not callable(function) or isinstance(function, _RecordedCondition):
+        return
+    try:
+        edge.condition_function = _RecordedCondition(function)
+    except Exception as exc:  # e.g. a frozen edge: the lineage asks the condition itself
+        ERRORS.record("autogen graph condition record", exc)
+
+
 def _fires(edge: Any, message: Any) -> bool:
-    """Whether GraphFlow follows ``edge`` after ``message`` (``DiGraphEdge.check_condition``)."""
+    """Whether GraphFlow follows ``edge`` after ``message`` (``DiGraphEdge.check_condition``): its own
+    answer when it recorded one, else the condition asked here (a string condition: a substring test)."""
     if not _conditional(edge):
         return True
     if message is None:
         return False
+    function = getattr(edge, "condition_function", None)
+    if isinstance(function, _RecordedCondition) and (answer := function.answer_for(message)) is not None:
+        return answer
     try:
         return bool(edge.check_condition(message))
     except Exception as exc:  # the app's condition: it raises in GraphFlow too, never here

@@ -193,3 +193,46 @@ def test_a_graph_flow_whose_manager_cannot_be_hooked_is_counted_not_raised(monke
     lineage.follow_resets(team)
     assert type(team._create_group_chat_manager_factory(name="m")()) is object
     assert ERRORS.by_kind["autogen graph reset"] == 2
+
+
+def test_graph_flow_conditions_are_asked_once_per_message_by_graphflow_only(server):
+    """A callable condition may have side effects or cost: the lineage reads GraphFlow's answer for
+    the turn's message instead of asking it a second time (it asked each reviewer edge twice)."""
+    asked: list[tuple[str, str]] = []
+
+    def says(word: str) -> Any:
+        def condition(message: Any) -> bool:
+            asked.append((word, message.content))
+            return message.content.startswith(word)
+        return condition
+
+    server.script("reviewer", "REVISE: shorter", "APPROVE")
+    team = instrument(graph_flow(server, [("writer", "reviewer", None), ("reviewer", "writer", says("REVISE")),
+                                          ("reviewer", "publisher", says("APPROVE"))], max_turns=9), session="c1")
+    asyncio.run(team.run(task="write it"))
+    assert sorted(asked) == sorted((word, said) for word in ("REVISE", "APPROVE")
+                                   for said in ("REVISE: shorter", "APPROVE"))
+    assert server.tags() == [("writer", "c1", "", 1), ("reviewer", "c1", "writer", 2),
+                             ("writer", "c1", "reviewer", 3), ("reviewer", "c1", "writer", 4),
+                             ("publisher", "c1", "reviewer", 5)]
+
+
+def test_graph_lineage_asks_a_condition_graphflow_did_not_ask_about_the_message():
+    """No answer recorded for the turn's message (GraphFlow asked about another one, or runs
+    elsewhere): the lineage asks the condition itself."""
+    asked: list[str] = []
+    server = FakeOpenAI()
+    agents = {n: AssistantAgent(n, model_client=client(server)) for n in "ab"}
+    builder = DiGraphBuilder()
+    for agent in agents.values():
+        builder.add_node(agent)
+    builder.add_edge(agents["a"], agents["b"], condition=lambda m: asked.append(m.content) or m.content == "go")
+    graph = builder.build()
+    lineage = GraphLineage(graph)
+    edge = graph.nodes["a"].edges[0]
+    seen = TextMessage(content="go", source="a")
+    assert edge.check_condition(seen)  # as GraphFlow asks it
+    lineage.turn_ended("a", "a", 1, seen)
+    assert lineage.predecessor("b") == ("a", 2) and asked == ["go"]
+    lineage.turn_ended("a", "a", 3, TextMessage(content="stop", source="a"))
+    assert lineage.predecessor("b") == ("", 1) and asked == ["go", "stop"]
