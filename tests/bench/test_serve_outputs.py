@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from agentkv.bench import serve
+from agentkv.bench.serve import report as serve_report
 from agentkv.bench.serve import run as serve_run
 from agentkv.bench.serve_args import REPO_ROOT, ServeConfig, session_tokens
 from agentkv.bench.serve_paired import Block, compare
@@ -35,6 +36,35 @@ def test_figures_without_data_are_written_as_null(tmp_path):
     assert written["rows"][0]["ttft_mean_ms"] is None and written["rows"][0]["hit_rate"] is None
     assert written["comparisons"][0]["ttft_mean"] == {"value": None, "low": None, "high": None}
     assert written["rows"][0]["turns"] == 0 and written["config"]["seed"] == 0  # the rest as it was
+
+
+@pytest.mark.parametrize("stopped", ["while writing", "before the replace"])
+def test_a_write_stopped_by_ctrl_c_keeps_the_previous_serve_json_and_leaves_no_temporary_file(
+        monkeypatch, tmp_path, stopped):
+    path = tmp_path / "serve.json"
+    serve_report.write_json({"complete": False, "rows": []}, path)
+    write_text = Path.write_text
+    temporaries = []
+
+    def half_then_interrupt(self, text, *args, **kwargs):
+        temporaries.append(self)
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    if stopped == "while writing":
+        monkeypatch.setattr(Path, "write_text", half_then_interrupt)
+    else:
+        monkeypatch.setattr(serve_report.os, "replace", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        serve_report.write_json({"complete": True, "rows": [{"server": "vanilla"}]}, path)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["serve.json"]
+    assert _strict(path.read_text()) == {"complete": False, "rows": []}
+    # in the output folder, one per process: two runs never write each other's temporary file
+    assert temporaries == ([tmp_path / f".serve.json.{os.getpid()}.partial"] if stopped == "while writing" else [])
 
 
 def _fake_blocks(monkeypatch, *, interrupt_at: int | None = None) -> list[str]:

@@ -116,11 +116,17 @@ def warmup_lines(result: dict[str, Any]) -> list[str]:
 def write_json(result: dict[str, Any], path: Path) -> None:
     """``result`` as strict JSON: a figure with no data (NaN) or an infinity is null (bare NaN is
     no JSON: jq and JavaScript refuse the file). Written to a temporary file that then replaces
-    ``path``: a run killed while writing leaves the previous version whole."""
+    ``path``: a run killed while writing leaves the previous version whole, and no temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.partial")
-    temporary.write_text(json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n")
-    os.replace(temporary, path)
+    text = json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n"
+    # one per process: two runs writing to the same folder never replace with each other's half-written file
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    except BaseException:  # Ctrl-C or SIGTERM (a KeyboardInterrupt here: see servers.running), a full disk
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def _finite(value: Any) -> Any:
