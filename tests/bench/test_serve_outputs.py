@@ -32,7 +32,8 @@ def test_figures_without_data_are_written_as_null(tmp_path):
     result = {"config": {"sessions": 1, "turns": 1, "blocks": 81, "block_size": 32, "tool_gap": 0.3, "seed": 0},
               "rows": rows, "comparisons": [{"rate": 1.0, "setup": "single", "server": "agentkv",
                                              "baseline": "vanilla", **compare([(block, block)])}]}
-    written = _strict(serve.write_reports(result, tmp_path)["json"].read_text())
+    serve_report.write_json(result, tmp_path / "serve.json")
+    written = _strict((tmp_path / "serve.json").read_text())
     assert written["rows"][0]["ttft_mean_ms"] is None and written["rows"][0]["hit_rate"] is None
     assert written["comparisons"][0]["ttft_mean"] == {"value": None, "low": None, "high": None}
     assert written["rows"][0]["turns"] == 0 and written["config"]["seed"] == 0  # the rest as it was
@@ -110,6 +111,27 @@ def test_a_finished_run_says_it_is_complete_in_serve_json(monkeypatch, tmp_path)
     written = _strict((tmp_path / "serve.json").read_text())
     assert written["complete"] is True and [c["blocks"] for c in written["comparisons"]] == [2]
     assert [(r["server"], r["turns"]) for r in written["rows"]] == [("vanilla", 2), ("agentkv", 2)]
+
+
+def test_a_finished_command_writes_the_complete_serve_json_once(monkeypatch, tmp_path, capsys):
+    import agentkv.__main__ as cli
+
+    _fake_blocks(monkeypatch)
+    monkeypatch.setattr(serve_run, "_run_benchmark", lambda config, servers, targets, log: serve_run.asyncio.run(
+        serve_run._run_async(config, _TARGETS, log)))
+    written, write = [], serve_report.write_json
+
+    def write_json(result, path):  # every writer of serve.json goes through report.write_json
+        written.append(result["complete"])
+        write(result, path)
+
+    monkeypatch.setattr(serve_run, "write_json", write_json)
+    monkeypatch.setattr(serve_report, "write_json", write_json)
+    cli.main(["bench", "serve", "--untagged", "--rates", "1", "--sessions", "1", "--warmup-sessions", "0",
+              "--out", str(tmp_path)])
+    assert written == [False, False, True]  # after each server's block, then the result once
+    assert _strict((tmp_path / "serve.json").read_text())["complete"] is True
+    assert f"json: {tmp_path / 'serve.json'}, md: {tmp_path / 'serve.md'}" in capsys.readouterr().out
 
 
 def test_an_interrupted_command_says_where_its_blocks_are(monkeypatch, tmp_path, capsys):

@@ -133,7 +133,7 @@ def test_tiny_benchmark_on_both_servers(vanilla_server, agentkv_server, tmp_path
         assert row["throughput"] > 0
     assert result["agentkv_stats"]["version"] == 1
     paths = serve.write_reports(result, tmp_path)
-    assert json.loads(paths["json"].read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    assert json.loads((tmp_path / "serve.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     assert "| 4 | agentkv |" in paths["md"].read_text()
     assert paths["png"].stat().st_size > 10_000
     # a second run in the same process (a notebook): every session runs again
