@@ -145,8 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context of both servers, tokens (default %(default)s); --blocks must hold it")
     parser.add_argument("--turns", type=at_least(int, 1), default=d.turns,
                         help="agent turns per session (default %(default)s; refused when a session's last call "
-                             "would need more than --max-model-len: about 740 + (turns - 1) x (130 + --max-tokens) "
-                             "+ --max-tokens tokens)")
+                             f"would need more than --max-model-len: about {FIRST_PROMPT_TOKENS} + (turns - 1) x "
+                             f"({TURN_TOKENS} + --max-tokens) + --max-tokens tokens)")
     parser.add_argument("--max-tokens", type=at_least(int, 1), default=d.max_tokens, help="tokens per reply")
     parser.add_argument("--tool-gap", type=at_least(float, 0.0), default=d.tool_gap,
                         help="seconds each tool step takes")

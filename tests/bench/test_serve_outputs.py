@@ -178,6 +178,19 @@ def test_sessions_longer_than_the_servers_context_are_refused_with_one_line():
         ServeConfig(max_model_len=9000, blocks=301)
 
 
+def test_the_turns_help_states_the_context_estimate_the_check_uses(monkeypatch):
+    import argparse
+
+    from agentkv.bench import serve_args
+
+    monkeypatch.setattr(serve_args, "FIRST_PROMPT_TOKENS", 741)  # the estimate's constants, changed
+    monkeypatch.setattr(serve_args, "TURN_TOKENS", 131)
+    parser = argparse.ArgumentParser()
+    serve_args.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    assert "about 741 + (turns - 1) x (131 + --max-tokens) + --max-tokens tokens" in text
+
+
 def test_the_context_estimate_covers_a_real_runs_longest_calls():
     recorded = json.loads(Path(REPO_ROOT, "benchmarks/results/serve-warmup-session40.json").read_text())
     config = recorded["config"]
