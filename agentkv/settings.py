@@ -132,8 +132,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("refresh-interval", "AGENTKV_REFRESH_INTERVAL", "SECONDS", "0.1", "least seconds between two "
             "evaluations of the next-use model (a session event applies at once; shorter while sessions call "
             "faster: a quarter of the learned median gap)", _number(float, 0)),
-    Setting("decay", "AGENTKV_DECAY", "LAMBDA", "0.01667 (1/60)", "per second, of the recency tie-break between "
-            "blocks of close value", _number(float, 0)),
+    Setting("decay", "AGENTKV_DECAY", "LAMBDA", "0.01667 (1/60)", "per time resolution (the learned gap "
+            "a tenth of a session's gaps are shorter than), of the recency tie-break between blocks of close value",
+            _number(float, 0)),
     Setting("recognize", "AGENTKV_RECOGNIZE", "on|off", "on", "recognize the agents and sessions of "
             "untagged requests", _switch),
     Setting("strict", "AGENTKV_STRICT", "on|off", "off", "on: malformed agentkv metadata is answered 400 "

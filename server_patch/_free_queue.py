@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 K = TypeVar("K", bound=Hashable)  # group key, e.g. ("anchor", agents)
 
 # Recency decay per clock unit (seconds for time.monotonic): a block's score
-# halves every ln(2) / DEFAULT_DECAY ~ 42 s, the scale of an agent's tool call.
+# halves every ln(2) / DEFAULT_DECAY ~ 42 s. The runtime's scores are in time
+# resolutions (``ReuseTable.scorer(in_resolutions=True)``), so for it this is per
+# resolution: ~42 resolutions, whatever the workload's time scale.
 DEFAULT_DECAY = 1.0 / 60.0
 
 # Heap compaction slack: stale entries are tolerated up to 2 * groups + this.

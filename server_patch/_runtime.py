@@ -326,7 +326,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
                 changed = None if moved is None else moved | changed
             # a live view's membership test, in C: it runs for every history group re-scored
             self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED,
-                                        current=self.timing.agent_of, untagged_under_anchors=not self.config.recognize)
+                                        current=self.timing.agent_of, untagged_under_anchors=not self.config.recognize,
+                                        in_resolutions=True)  # AGENTKV_DECAY is per resolution
         self._scored_policy = scored
         self._scored_table = table if policy != "lru" else None
         for queue in self.queues:
@@ -413,7 +414,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         return "survival"
 
     def _score_of(self, group: Group) -> float:
-        """log(reuses per second) of a group; equal for all while the policy is LRU, -inf once retired."""
+        """log(reuses per second) of a group times the time resolution (s); equal for all while the
+        policy is LRU, -inf once retired."""
         return self._scorer(group)
 
     def _on_evict(self, popped: Sequence[KVCacheBlock]) -> None:

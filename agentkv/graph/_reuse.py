@@ -169,6 +169,7 @@ class ReuseTable:
     predictability: float
     predictable: bool
     untagged_weight: float = 0.5
+    time_unit: float = 1.0  # the resolution, or 1 s while no gap is learned: the scale of the workload's time
 
     def score(self, group: Group) -> float:
         """log(reuses per second) of a group: smaller is evicted first."""
@@ -177,11 +178,19 @@ class ReuseTable:
     def scorer(self, retired: Callable[[str], bool] | None = None,
                retired_score: float = -math.inf,
                current: Callable[[str], str | None] | None = None,
-               untagged_under_anchors: bool = False) -> Callable[[Group], float]:
+               untagged_under_anchors: bool = False,
+               in_resolutions: bool = False) -> Callable[[Group], float]:
         """A fast ``score`` for the eviction path; sessions that ``retired(session)`` says are
         over score ``retired_score`` (a fact outranks the model, also while it is not predictable).
         ``untagged_under_anchors``: untagged blocks score at most the lowest anchor above the floor
         (see ``_untagged_score``).
+
+        ``in_resolutions``: every other score is multiplied by ``time_unit`` (the time resolution, in
+        seconds), so that a recency term ``decay * t`` added to it (the free queue's key) counts time
+        in resolutions, not seconds: ``score + decay * t`` orders as ``log value + decay * t /
+        resolution``. Recency then weighs as much against the model on a workload whose calls come
+        minutes apart as on one whose calls come a second apart (per second, anchors reused an hour
+        apart were evicted as under LRU).
 
         ``current(session)`` names the agent a session dispatched last (None: unknown). The table
         lags the sessions by up to a refresh interval: the history of a session that dispatched
@@ -198,10 +207,14 @@ class ReuseTable:
         """
         if not self.predictable:
             return recency_scorer(retired, retired_score)
+        unit = self.time_unit if in_resolutions else 1.0
+        floor = _LOG_FLOOR * unit
         index, sessions = self.index, self.sessions
         anchor_rates: list[float] = self.anchor_rate.tolist()
-        anchor_logs: list[float] = _quantized(np.log(self.anchor_rate + _FLOOR)).tolist()
+        anchor_logs: list[float] = (_quantized(np.log(self.anchor_rate + _FLOOR)) * unit).tolist()
         session_logs = self._session_quantized  # read per group: a refresh re-scores few of them
+        if in_resolutions:
+            session_logs = session_logs * unit
         dispatched_logs: dict[int, np.ndarray] = {}  # per dispatching agent, computed when first read
         session_agents: list[int] = self.session_agents.tolist()
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
@@ -223,17 +236,17 @@ class ReuseTable:
                 agents = group.agents  # type: ignore[union-attr]
                 found = columns.get(agents) or columns_of(agents)
                 if row is None:
-                    own = _LOG_FLOOR
+                    own = floor
                 elif len(found) == 1:
                     own = session_logs.item(row, found[0])
                 else:
-                    own = max((session_logs.item(row, i) for i in found), default=_LOG_FLOOR)
+                    own = max((session_logs.item(row, i) for i in found), default=floor)
                 if current is not None and (agent := current(session)) is not None and (
                         at := index.get(agent)) is not None and (row is None or at != session_agents[row]):
                     moved_logs = dispatched_logs.get(at)
                     if moved_logs is None:
-                        moved_logs = dispatched_logs[at] = self._dispatched_quantized(at)
-                    moved = max((moved_logs.item(i) for i in found), default=_LOG_FLOOR)
+                        moved_logs = dispatched_logs[at] = self._dispatched_quantized(at) * unit
+                    moved = max((moved_logs.item(i) for i in found), default=floor)
                     return moved if row is None else min(moved, own)  # type: ignore[no-any-return]
                 return own  # type: ignore[no-any-return]
             if kind is Anchor:
@@ -242,11 +255,11 @@ class ReuseTable:
                 if len(found) == 1:
                     return anchor_logs[found[0]]
                 combined = _combined([anchor_rates[i] for i in found], self.resolution)
-                return math.floor(math.log(combined + _FLOOR) * _STEPS) / _STEPS
+                return math.floor(math.log(combined + _FLOOR) * _STEPS) / _STEPS * unit
             if kind is Uncached:
                 return -math.inf
             if not untagged:
-                untagged.append(self._untagged_score(untagged_under_anchors))
+                untagged.append(self._untagged_score(untagged_under_anchors) * unit)
             return untagged[0]
 
         return score
@@ -264,8 +277,10 @@ class ReuseTable:
     def changed_sessions(self, before: ReuseTable) -> set[str] | None:
         """The sessions whose history groups may score otherwise under this table than under
         ``before`` (with the same ``retired``), or None when any group may (other agents, or
-        predictability crossed ``r_min``). Anchor and untagged groups may change either way."""
-        if self.agents != before.agents or not (self.predictable and before.predictable):
+        predictability crossed ``r_min``, or ``time_unit`` moved: scores ``in_resolutions`` all do).
+        Anchor and untagged groups may change either way."""
+        if self.agents != before.agents or not (self.predictable and before.predictable) or \
+                self.time_unit != before.time_unit:
             return None
         changed = set(before.sessions.keys() - self.sessions.keys())
         names = list(self.sessions)
@@ -360,7 +375,8 @@ def score_reuse(
         passage = first_passage_steps(matrix, config.steps or config.max_steps,
                                       tolerance=0.0 if config.steps else config.step_tolerance)
     steps = len(passage)
-    resolution = max(gaps.quantile(config.resolution_quantile) or 0.0, config.min_time)
+    learned = gaps.quantile(config.resolution_quantile)  # None: no gap learned yet
+    resolution = max(learned or 0.0, config.min_time)
     median_gap = max(gaps.median_gap, resolution)
     ahead = np.arange(steps) * median_gap  # time from the next dispatch to the k-th next one
 
@@ -450,4 +466,5 @@ def score_reuse(
         # teach no transition (R = 0), but how often each agent starts one still ranks the anchors
         predictable=(predictability > 0 or session_start_rate > 0) and predictability >= config.r_min,
         untagged_weight=config.untagged_weight,
+        time_unit=resolution if learned is not None else 1.0,
     )

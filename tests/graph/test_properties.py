@@ -1,12 +1,15 @@
 """Property tests: probabilities stay probabilities; next-use values keep the chain order."""
 
+import math
 from unittest import mock
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentkv.graph import (
+    UNTAGGED,
     Anchor,
     ChainModel,
     GraphFacts,
@@ -16,6 +19,7 @@ from agentkv.graph import (
     ReuseConfig,
     SessionTiming,
     TransitionLearner,
+    Uncached,
     first_passage_within,
     score_reuse,
     top_successors,
@@ -69,6 +73,44 @@ def test_first_passage_is_a_probability_and_grows_with_k(matrix, k):
        st.floats(0, 100))
 def test_learned_model_stays_a_probability_model_and_history_never_outranks_its_anchor(dispatches, gaps, declare,
                                                                                           later):
+    learner, _, table, chain = _learned_table(dispatches, gaps, declare, later)
+    assert ((chain.matrix >= 0) & (chain.matrix <= 1 + 1e-12)).all()
+    assert (chain.matrix.sum(axis=1) <= 1 + 1e-9).all()
+    assert 0.0 <= learner.predictability() <= 1.0
+    assert np.isfinite(table.anchor_rate).all() and (table.anchor_rate >= 0).all()
+    assert np.isfinite(table.session_rate).all() and (table.session_rate >= 0).all()
+    assert (table.session_rate <= table.anchor_rate[None, :] + 1e-9).all()
+    assert np.isfinite(table.dispatched_rate).all() and (table.dispatched_rate >= 0).all()
+    # also scored as having moved on to any agent since the table (or started since: "new")
+    moved = [table.scorer(current=lambda session, agent=agent: agent) for agent in chain.agents]
+    for session in [*table.sessions, "new"]:
+        for agents in ({"a"}, {"a", "b"}, {"c"}):
+            group = frozenset(agents)
+            for score in (table.score, *moved):
+                assert score(History(session, group)) <= table.score(Anchor(group)) + 1e-9
+    assert all(0.0 <= table.survival(agent) <= 1.0 for agent in chain.agents)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(dispatch, max_size=60), st.lists(st.floats(0, 50), min_size=1, max_size=60), st.booleans(),
+       st.floats(0, 100))
+def test_scores_in_resolutions_are_every_score_times_the_time_unit(dispatches, gaps, declare, later):
+    """The free queue adds decay * t to a score: scores in resolutions make its recency count time in
+    resolutions (the floor and the unknown sessions' included: unscaled, they outranked scaled anchors)."""
+    _, timing, table, _ = _learned_table(dispatches, gaps, declare, later)
+    assert table.time_unit == (table.resolution if timing.gaps else 1.0)  # no gap: nothing tells the time scale
+    retired = {"s1"}.__contains__
+    for current in (None, lambda session: "b"):
+        plain = table.scorer(retired=retired, current=current)
+        scaled = table.scorer(retired=retired, current=current, in_resolutions=True)
+        groups = [UNTAGGED, Uncached(), *(Anchor(frozenset(a)) for a in ({"a"}, {"a", "b"}, {"z"}))]
+        groups += [History(s, frozenset(a)) for s in [*table.sessions, "s1", "new"] for a in ({"a"}, {"b", "c"})]
+        for group in groups:
+            assert scaled(group) == pytest.approx(plain(group) * table.time_unit, rel=1e-12, abs=1e-12) or \
+                scaled(group) == plain(group) == -math.inf
+
+
+def _learned_table(dispatches, gaps, declare, later):
     learner = TransitionLearner()
     timing = SessionTiming()
     facts = GraphFacts()
@@ -82,24 +124,10 @@ def test_learned_model_stays_a_probability_model_and_history_never_outranks_its_
             timing.observe(session, agent, now)
     predictor = Predictor(learner, facts)
     chain = predictor.chain()
-    assert ((chain.matrix >= 0) & (chain.matrix <= 1 + 1e-12)).all()
-    assert (chain.matrix.sum(axis=1) <= 1 + 1e-9).all()
-    assert 0.0 <= learner.predictability() <= 1.0
     table = score_reuse(chain, timing.table(), timing.sessions(), now=now + later, session_start_rate=0.1,
                         continuation={"a": 0.5}, interposed=None, predictability=1.0, gap_count=timing.gaps,
                         config=ReuseConfig())
-    assert np.isfinite(table.anchor_rate).all() and (table.anchor_rate >= 0).all()
-    assert np.isfinite(table.session_rate).all() and (table.session_rate >= 0).all()
-    assert (table.session_rate <= table.anchor_rate[None, :] + 1e-9).all()
-    assert np.isfinite(table.dispatched_rate).all() and (table.dispatched_rate >= 0).all()
-    # also scored as having moved on to any agent since the table (or started since: "new")
-    moved = [table.scorer(current=lambda session, agent=agent: agent) for agent in chain.agents]
-    for session in [*table.sessions, "new"]:
-        for agents in ({"a"}, {"a", "b"}, {"c"}):
-            group = frozenset(agents)
-            for score in (table.score, *moved):
-                assert score(History(session, group)) <= table.score(Anchor(group)) + 1e-9
-    assert all(0.0 <= table.survival(agent) <= 1.0 for agent in chain.agents)
+    return learner, timing, table, chain
 
 
 def _over_steps_by_gathering(weights: np.ndarray, table: np.ndarray, rows: np.ndarray) -> np.ndarray:
