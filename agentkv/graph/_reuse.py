@@ -212,9 +212,7 @@ class ReuseTable:
         index, sessions = self.index, self.sessions
         anchor_rates: list[float] = self.anchor_rate.tolist()
         anchor_logs: list[float] = (_quantized(np.log(self.anchor_rate + _FLOOR)) * unit).tolist()
-        session_logs = self._session_quantized  # read per group: a refresh re-scores few of them
-        if in_resolutions:
-            session_logs = session_logs * unit
+        session_logs = self._session_quantized  # read per group (times ``unit``): a refresh re-scores few of them
         dispatched_logs: dict[int, np.ndarray] = {}  # per dispatching agent, computed when first read
         session_agents: list[int] = self.session_agents.tolist()
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
@@ -238,9 +236,9 @@ class ReuseTable:
                 if row is None:
                     own = floor
                 elif len(found) == 1:
-                    own = session_logs.item(row, found[0])
+                    own = session_logs.item(row, found[0]) * unit
                 else:
-                    own = max((session_logs.item(row, i) for i in found), default=floor)
+                    own = max((session_logs.item(row, i) * unit for i in found), default=floor)
                 if current is not None and (agent := current(session)) is not None and (
                         at := index.get(agent)) is not None and (row is None or at != session_agents[row]):
                     moved_logs = dispatched_logs.get(at)
