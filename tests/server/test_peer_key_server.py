@@ -54,10 +54,9 @@ def test_replicas_pull_each_other_with_the_configured_peer_key(tiny_model_dir: P
         for name, other in (("a", "b"), ("b", "a"))
     }
     with contextlib.ExitStack() as stack:
-        for server in servers.values():  # both start at once, stopped whatever happens
+        for server in servers.values():  # A first: B's first pull (the one it logs) meets a running A
             stack.callback(server.stop)
             server.launch()
-        for server in servers.values():
             server.wait_healthy(600)
         a, b = servers["a"], servers["b"]
         with httpx.Client(base_url=b.base_url, timeout=120, trust_env=False,
@@ -74,7 +73,10 @@ def test_replicas_pull_each_other_with_the_configured_peer_key(tiny_model_dir: P
 
         stats_a = _until(lambda: _stats(a, "a"), merged_b)
         assert merged_b(stats_a), (stats_a["learner"]["peers"], stats_a["transitions"])
-        assert stats_a["peer_sync_failures"] == {}  # B took A's pulls with B's key
+        # A's pulls while B was starting met a refused connection: counted, but none since B took them
+        before = stats_a["peer_sync_failures"].get(b.base_url, 0)
+        time.sleep(2.0)  # four more pulls
+        assert _stats(a, "a")["peer_sync_failures"].get(b.base_url, 0) == before  # B took A's pulls with B's key
         stats_b = _until(lambda: _stats(b, "b"), lambda st: st["peer_sync_failures"].get(a.base_url, 0) >= 2)
         assert stats_b["peer_sync_failures"][a.base_url] >= 2  # the wrong key: refused, counted ...
         assert stats_b["learner"]["peers"] == {}  # ... and nothing merged
