@@ -109,12 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"agentkv demo: {exc}") from None
     rates = ", ".join(f"{r:g}" for r in config.rates)
 
-    from agentkv.bench.serve import (  # langchain/langgraph: imported late
-        JSON_NAME,
-        bound_lines,
-        run_benchmark,
-        write_reports,
-    )
+    from agentkv.bench.serve import bound_lines, run_benchmark, write_reports  # langchain/langgraph: imported late
 
     print(
         "agentkv demo: a six-agent LangGraph team (supervisor, planner, researcher, coder, reviewer, writer),\n"
@@ -129,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: servers stopped")
         return 130
-    paths = {"json": config.out / JSON_NAME, **write_reports(result, config.out)}
+    paths = write_reports(result, config.out)
     print()
     print(summary_table(result["rows"]))
     print()

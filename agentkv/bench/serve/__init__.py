@@ -21,15 +21,7 @@ from .cli import main
 from .load import arrival_times, run_rate
 from .plots import COLORS, load_pyplot, plot, plot_setups, save_figure
 from .replicas import replica_args, start_targets, targets_for
-from .report import (
-    JSON_NAME,
-    bound_lines,
-    comparison_report,
-    confusion_markdown,
-    markdown_table,
-    warmup_lines,
-    write_reports,
-)
+from .report import bound_lines, comparison_report, confusion_markdown, markdown_table, warmup_lines, write_reports
 from .run import add_anchor_hits, block_sizes, run_benchmark
 from .scrape import prefix_cache_counters
 from .servers import running, server_specs, start_servers
@@ -39,7 +31,6 @@ from .timing import CallRecord, CallTimer
 
 __all__ = [
     "COLORS",
-    "JSON_NAME",
     "SERVERS",
     "CallRecord",
     "CallTimer",

@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (see servers.running): say what is left
         print(f"agentkv bench serve: interrupted; {_left(config.out / JSON_NAME, started)}", file=sys.stderr)
         return 130
-    paths = {"json": config.out / JSON_NAME, **write_reports(result, config.out, args.plot)}
+    paths = write_reports(result, config.out, args.plot)
     print()
     print(markdown_table(result["rows"]))
     print()

@@ -140,10 +140,11 @@ def _finite(value: Any) -> Any:
 
 
 def write_reports(result: dict[str, Any], out: Path, plot_path: Path | None = None) -> dict[str, Path]:
-    """serve.md and serve.png (or ``plot_path``) of a run's ``result``; serve.json is the run's own
-    (see :func:`agentkv.bench.serve.run_benchmark`): written once at its end, not again here."""
+    """Write serve.md and serve.png (or ``plot_path``) of a run's ``result``; the paths of all three.
+    serve.json is the run's own (see :func:`agentkv.bench.serve.run_benchmark`): written once at its
+    end, not again here."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out / "serve.md"}
+    paths = {"json": out / JSON_NAME, "md": out / "serve.md"}
     tables = [markdown_table(result["rows"]),
               "\n".join([*comparison_report(result), *warmup_lines(result), *bound_lines(result)])]
     tables += [confusion_markdown(r) for r in result["rows"] if r.get("confusion")]
