@@ -36,7 +36,8 @@ _INVERSE_LEFT = np.triu(1.0 / np.maximum(_CENTERS[None, :] - _EDGES[:-1, None], 
 
 @dataclass(frozen=True, slots=True)
 class TimingConfig:
-    """``half_life``: gaps of an agent weigh half after that many newer gaps of it.
+    """``half_life``: gaps of an agent weigh half after that many newer gaps of it (and so does each
+    count of what followed its requests, after that many newer counts of the same kind).
 
     ``prior_gaps`` is how many gaps of evidence the global histogram counts for in an agent's
     own (shrinkage for rarely seen agents).
@@ -188,10 +189,11 @@ class SessionTiming:
         self._global = _zero_rows()
         self._global_weight = 1.0
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
-        self._continued: dict[str, int] = {}  # per agent: requests followed by one of the same dispatch
-        self._handed_off: dict[str, int] = {}  # ... and by another dispatch
-        # per agent, after an answer the server was told of: [no tool call, tool call] x [same dispatch, next]
-        self._after_told: dict[tuple[str, bool], list[float]] = {}  # (agent, tool call) -> [same, next]
+        # decayed counts of what followed a request (each pair weighs half after ``half_life`` newer
+        # counts of it): per agent, [one of the same dispatch, one of the next]; per agent and told
+        # answer (no tool call, tool call), the same pair
+        self._followed: dict[str, list[float]] = {}
+        self._after_told: dict[tuple[str, bool], list[float]] = {}
         self._gaps = 0
         self._starts = 0
         self._last_start: float | None = None
@@ -216,11 +218,10 @@ class SessionTiming:
         else:
             same_dispatch = step is not None and previous.step == step and previous.agent == agent
             self._add_gap(previous.agent, max(0.0, now - previous.seen), same_dispatch)
-            counts = self._continued if same_dispatch else self._handed_off
+            which = 0 if same_dispatch else 1
+            self._count(self._followed.setdefault(previous.agent, [0.0, 0.0]), which)
             if previous.tool_call is not None:
-                told = self._after_told.setdefault((previous.agent, previous.tool_call), [0.0, 0.0])
-                told[0 if same_dispatch else 1] += 1.0
-            counts[previous.agent] = counts.get(previous.agent, 0) + 1
+                self._count(self._after_told.setdefault((previous.agent, previous.tool_call), [0.0, 0.0]), which)
             dispatches = previous.dispatches + (not same_dispatch)
         running = 1 if previous is None else previous.running + 1
         self._sessions[session] = _Session(agent, now, step, dispatches, None, running)
@@ -228,6 +229,13 @@ class SessionTiming:
             self._sessions.popitem(last=False)
         self._touched.add(session)
         self.version += 1
+
+    def _count(self, pair: list[float], which: int) -> None:
+        # the pair's older counts weigh less at each new one: a long-running server follows a change
+        # in an agent's tool use (all-time counts would answer for the agent it was months ago)
+        pair[0] /= self._decay
+        pair[1] /= self._decay
+        pair[which] += 1.0
 
     def take_touched(self) -> set[str] | None:
         """The sessions that had a request, a told answer or an end since the last call (None:
@@ -325,8 +333,7 @@ class SessionTiming:
             if len(self._hist) >= self.config.max_agents:
                 stale, _ = self._hist.popitem(last=False)
                 self._weight.pop(stale, None)
-                self._continued.pop(stale, None)
-                self._handed_off.pop(stale, None)
+                self._followed.pop(stale, None)
                 self._after_told.pop((stale, True), None)
                 self._after_told.pop((stale, False), None)
             hist = self._hist[agent] = _zero_rows()
@@ -419,7 +426,7 @@ class SessionTiming:
 
     def continuation(self, agent: str) -> float:
         """P(a request of ``agent`` is followed by another request of the same dispatch)."""
-        going_on, handed = self._continued.get(agent, 0.0), self._handed_off.get(agent, 0.0)
+        going_on, handed = self._followed.get(agent, (0.0, 0.0))
         return going_on / (going_on + handed) if going_on + handed > 0 else 0.0
 
     def session_rate(self, now: float) -> float:

@@ -1,7 +1,7 @@
 """SessionTiming's learned distributions in a snapshot (``_snapshot.py``): exported and validated.
 
 Kept: the gap histograms (per agent and pooled), how often each agent's request was followed by
-one of the same dispatch or of the next (also after a told answer), the ended sessions' length
+one of the same dispatch or of the next (also after a told answer; decayed), the ended sessions' length
 histogram and the counters. Not kept: the live sessions (transient, like the learner's) and the
 pace of session starts: its clock point means nothing after a restart, and the recent intervals
 are a pace of the traffic before it (a restart often changes that); two new starts learn it again.
@@ -9,6 +9,7 @@ are a pace of the traffic before it (a restart often changes that); two new star
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,9 @@ from ._timing import _BINS, _EDGE_LIST, _LENGTH_DECAY, _MAX_LENGTH, SessionTimin
 
 __all__ = ["export_timing", "import_timing"]
 
-_MAX_COUNT = 1e15  # counts that are not decayed (the answers told of), and any total: sums stay exact below
+_MAX_COUNT = 1e15  # any total of counts that are not decayed: sums stay exact below
 _MAX_WEIGHT = 1e100  # ``_add_gap`` rescales a weight past this back to 1
-_MAX_TALLY = 2**62
+_MAX_TALLY = 2**62  # the largest count a snapshot may hold (older ones held all-time counts of what followed)
 
 
 def export_timing(timing: SessionTiming) -> dict[str, Any]:
@@ -33,8 +34,9 @@ def export_timing(timing: SessionTiming) -> dict[str, Any]:
         "agents": agents,  # least recently seen first (the first recycled)
         "gaps": [[row[:] for row in hist] for hist in timing._hist.values()],  # [tool, hand-off] x bins
         "weights": [timing._weight[agent] for agent in agents],  # the counts are stored multiplied by these
-        "continued": [timing._continued.get(agent, 0) for agent in agents],
-        "handed_off": [timing._handed_off.get(agent, 0) for agent in agents],
+        # decayed counts of the requests followed by one of the same dispatch, and of the next
+        "continued": [timing._followed.get(agent, (0.0, 0.0))[0] for agent in agents],
+        "handed_off": [timing._followed.get(agent, (0.0, 0.0))[1] for agent in agents],
         # [same dispatch, next] after an answer without, and with, a tool call
         "after_told": [[[*told.get((agent, tool_call), (0.0, 0.0))] for tool_call in (False, True)]
                        for agent in agents],
@@ -67,18 +69,18 @@ def import_timing(state: object, config: TimingConfig | None = None) -> SessionT
     gaps_bound = _decayed_total(timing._decay)  # per agent, and the pooled gaps (one decay per gap)
     weights = _numbers(state["weights"], n, "weights", _MAX_WEIGHT, low=1.0)
     gaps = _list(state["gaps"], n, "gaps")
-    continued = _tallies(state["continued"], n, "continued")
-    handed_off = _tallies(state["handed_off"], n, "handed_off")
+    followed = zip(_numbers(state["continued"], n, "continued", _MAX_TALLY),
+                   _numbers(state["handed_off"], n, "handed_off", _MAX_TALLY), strict=True)
     told = _list(state["after_told"], n, "after_told")
-    for agent, rows, weight, told_rows in zip(agents, gaps, weights, told, strict=True):
+    for agent, rows, weight, told_rows, pair in zip(agents, gaps, weights, told, followed, strict=True):
         timing._hist[agent] = _histogram(rows, weight, gaps_bound, f"gaps of {agent!r}")
         timing._weight[agent] = weight
-        for tool_call, pair in zip((False, True), _list(told_rows, 2, "after_told"), strict=True):
-            same, following = _numbers(pair, 2, "after_told", _MAX_COUNT)
-            if same or following:
-                timing._after_told[agent, tool_call] = [same, following]
-    timing._continued = {agent: n for agent, n in zip(agents, continued, strict=True) if n}
-    timing._handed_off = {agent: n for agent, n in zip(agents, handed_off, strict=True) if n}
+        if any(pair):
+            timing._followed[agent] = _decayed_pair(pair, gaps_bound)
+        for tool_call, told_pair in zip((False, True), _list(told_rows, 2, "after_told"), strict=True):
+            same_next = _numbers(told_pair, 2, "after_told", _MAX_TALLY)
+            if any(same_next):
+                timing._after_told[agent, tool_call] = _decayed_pair(same_next, gaps_bound)
     global_weight = _numbers([state["global_weight"]], 1, "global_weight", _MAX_WEIGHT, low=1.0)[0]
     timing._global = _histogram(state["global"], global_weight, gaps_bound, "global gaps")
     timing._global_weight = global_weight
@@ -114,6 +116,14 @@ def _tallies(value: object, length: int, what: str) -> list[int]:
     if not all(type(x) is int and 0 <= x < _MAX_TALLY for x in numbers):
         raise ValueError(f"timing: {what} must be integers in [0, 2**62)")
     return numbers
+
+
+def _decayed_pair(pair: Sequence[float], bound: float) -> list[float]:
+    """A pair of decayed counts, scaled down to total ``bound`` if it holds more: a snapshot of agentkv
+    before these counts decayed holds all-time counts, whose ratio is what they tell; the scaled pair
+    weighs what a long-running server's decayed one would."""
+    total = sum(pair)
+    return [x * bound / total for x in pair] if total > bound else list(pair)
 
 
 def _decayed_total(growth: float) -> float:

@@ -195,7 +195,7 @@ def test_a_hand_off_tool_is_learned_as_a_tool_call_that_does_not_bring_the_agent
         timing.observe(session, "coder", 10.0 * n + 1, step=1)
         timing.answered(session, True)  # the coder's tool call: a ReAct loop
         timing.observe(session, "coder", 10.0 * n + 3, step=1)
-    assert timing.continuation_after("supervisor", True) == pytest.approx(2 / 22)
+    assert timing.continuation_after("supervisor", True) == pytest.approx(2 / 22, rel=0.02)  # 20 decayed counts
     assert timing.continuation_after("coder", True) == 1.0
     assert timing.continuation_after("coder", False) == 0.0  # no evidence: the prior
 
@@ -368,8 +368,29 @@ def test_session_start_rate_and_continuation():
         timing.observe(f"s{n}", "y", 5.0 * n + 2, step=1)
     assert timing.session_rate(95.0) == pytest.approx(0.2)
     assert timing.session_rate(195.0) == pytest.approx(0.01)  # no session for 100 s: the rate decays
-    assert timing.continuation("x") == pytest.approx(0.5)
+    assert timing.continuation("x") == pytest.approx(0.5, rel=1e-3)  # the older counts weigh a little less
     assert timing.continuation("y") == 0.0
+
+
+def test_the_continuation_follows_a_change_in_an_agent_s_tool_use():
+    """After 3,000 sessions in which x's calls always ran a tool loop, x stops calling tools: 1,000
+    sessions later (two half-lives of x's counts) the estimates have followed; all-time counts would
+    still read 0.75 and 0.9 (3,000 of the 4,000 requests, of the told answers)."""
+    timing = SessionTiming()
+    now = 0.0
+    for n in range(4000):
+        loops = n < 3000
+        session = f"s{n}"
+        timing.observe(session, "x", now, step=0)
+        timing.answered(session, tool_call=True)  # a hand-off tool (transfer_to_y) once x stops looping
+        if loops:
+            timing.observe(session, "x", now + 1.0, step=0)
+            timing.answered(session, tool_call=False)
+        timing.observe(session, "y", now + 2.0, step=1)
+        timing.end(session)
+        now += 5.0
+    assert timing.continuation("x") < 0.2
+    assert timing.continuation_after("x", True) < 0.3
 
 
 def test_calls_outside_any_session_set_the_pace_of_starts_and_leave_no_session():

@@ -143,8 +143,10 @@ def _delete(key: str):
         (_set(("gaps", 0, 1), [1e6] * 48), "numbers in"),  # accepted up to 1e15: it outweighed every gap for ever
         (_set(("global", 1, 3), 1e6), "global gaps"),
         (_set(("gaps",), []), "gaps must be a list"),
-        (_set(("continued", 0), 1.5), "continued"),
-        (_set(("handed_off", 0), 2**62), "handed_off"),
+        (_set(("continued", 0), -1.5), "continued"),
+        (_set(("continued", 0), "3"), "continued"),
+        (_set(("handed_off", 0), float("inf")), "handed_off"),
+        (_set(("handed_off", 0), 2**63), "handed_off"),
         (_set(("after_told", 0), [[1.0, 2.0]]), "after_told"),
         (_set(("after_told", 0, 1, 0), -3.0), "after_told"),
         (_set(("global", 0), None), "global gaps"),
@@ -189,6 +191,20 @@ def test_a_saturated_timing_is_restored(tmp_path, half_life):
     assert held == pytest.approx(1 / (1 - 2 ** (-1 / half_life)), rel=1e-6)
     assert timing._lengths.sum() == pytest.approx(200.0, rel=1e-6)
     _assert_same_outputs(import_timing(json.loads(json.dumps(export_timing(timing))), config), timing)
+
+
+def test_all_time_counts_of_an_older_snapshot_keep_their_ratio_at_the_decayed_weight():
+    """Before the counts of what followed a request decayed, a snapshot held all-time integers: they
+    are read as their ratio, weighing what a long-running server's decayed counts weigh (721.8)."""
+    document = export_timing(_trained())
+    agent = document["agents"][0]
+    document["continued"][0], document["handed_off"][0] = 3_000_000, 1_000_000
+    document["after_told"][0][1] = [90_000, 10_000]
+    restored = import_timing(document)
+    assert restored.continuation(agent) == pytest.approx(0.75)
+    assert sum(restored._followed[agent]) == pytest.approx(721.8, rel=1e-3)
+    assert restored.continuation_after(agent, True) == pytest.approx(0.9, rel=1e-3)  # the prior's 2 answers
+    assert sum(restored._after_told[agent, True]) == pytest.approx(721.8, rel=1e-3)
 
 
 def test_more_agents_than_the_timing_holds_are_refused():
