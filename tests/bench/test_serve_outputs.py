@@ -5,8 +5,13 @@ to plan (longer than the servers' context)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -66,6 +71,46 @@ def test_a_write_stopped_by_ctrl_c_keeps_the_previous_serve_json_and_leaves_no_t
     assert _strict(path.read_text()) == {"complete": False, "rows": []}
     # in the output folder, one per process: two runs never write each other's temporary file
     assert temporaries == ([tmp_path / f".serve.json.{os.getpid()}.partial"] if stopped == "while writing" else [])
+
+
+def test_a_write_removes_the_temporary_files_of_dead_runs_and_keeps_a_live_runs(tmp_path, caplog):
+    # a run SIGKILLed between writing its temporary file and the replace: the file stays, its pid names no process
+    killed = ("import os, signal, sys; from pathlib import Path; from agentkv.bench.serve import report; "
+              "report.os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL); "
+              "report.write_json({'complete': False}, Path(sys.argv[1]))")
+    dead = subprocess.Popen([sys.executable, "-c", killed, str(tmp_path / "serve.json")], cwd=REPO_ROOT)
+    assert dead.wait() == -signal.SIGKILL
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale, running = tmp_path / f".serve.json.{dead.pid}.partial", tmp_path / f".serve.json.{live.pid}.partial"
+        # not serve.json's, or no pid in the name: left alone
+        others = [tmp_path / f".other.json.{dead.pid}.partial", tmp_path / ".serve.json.abc.partial",
+                  tmp_path / f".serve.json.{dead.pid}.partial.bak", tmp_path / f".serve.json.{2 ** 80}.partial"]
+        assert stale.exists()
+        for path in [running, *others]:
+            path.write_text("{")
+        with caplog.at_level(logging.WARNING, logger=serve_report.__name__):
+            serve_report.write_json({"complete": True, "rows": []}, tmp_path / "serve.json")
+            serve_report.write_json({"complete": True, "rows": []}, tmp_path / "serve.json")  # nothing left to remove
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(tmp_path.iterdir()) == sorted([tmp_path / "serve.json", running, *others])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'serve.json'}: removed 1 temporary files left by runs killed while writing it: {stale.name}"]
+
+
+def test_a_write_on_windows_leaves_the_temporary_files_of_other_runs_alone(monkeypatch, tmp_path):
+    """os.kill(pid, 0) terminates the process on Windows: no pid is checked there."""
+    stale = tmp_path / ".serve.json.1.partial"
+    stale.write_text("{")
+
+    def kill(pid, sig):
+        raise AssertionError(f"os.kill({pid}, {sig})")
+
+    monkeypatch.setattr(serve_report, "os", SimpleNamespace(name="nt", kill=kill, getpid=os.getpid, replace=os.replace))
+    serve_report.write_json({"complete": True, "rows": []}, tmp_path / "serve.json")
+    assert sorted(tmp_path.iterdir()) == [stale, tmp_path / "serve.json"]
 
 
 def _fake_blocks(monkeypatch, *, interrupt_at: int | None = None) -> list[str]:

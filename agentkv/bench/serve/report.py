@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ __all__ = ["JSON_NAME", "comparison_report", "confusion_markdown", "markdown_tab
            "write_reports"]
 
 JSON_NAME = "serve.json"  # in the output folder: the result, rewritten after every block of a run
+
+_log = logging.getLogger(__name__)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -116,8 +119,10 @@ def warmup_lines(result: dict[str, Any]) -> list[str]:
 def write_json(result: dict[str, Any], path: Path) -> None:
     """``result`` as strict JSON: a figure with no data (NaN) or an infinity is null (bare NaN is
     no JSON: jq and JavaScript refuse the file). Written to a temporary file that then replaces
-    ``path``: a run killed while writing leaves the previous version whole, and no temporary file."""
+    ``path``: a run killed while writing leaves the previous version whole, and no temporary file
+    (a SIGKILLed one leaves its file, which the next write to ``path`` removes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_temporaries(path)
     text = json.dumps(_finite(result), indent=2, default=str, allow_nan=False) + "\n"
     # one per process: two runs writing to the same folder never replace with each other's half-written file
     temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -127,6 +132,35 @@ def write_json(result: dict[str, Any], path: Path) -> None:
     except BaseException:  # Ctrl-C or SIGTERM (a KeyboardInterrupt here: see servers.running), a full disk
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Remove the temporary files of ``path`` whose writer is gone (SIGKILLed, or the machine
+    crashed): they would pile up in the output folder. A live run's file stays, and so does a name
+    that holds no pid."""
+    if os.name != "posix":  # on Windows os.kill(pid, 0) does not ask: it terminates the process
+        return
+    prefix, suffix = f".{path.name}.", ".partial"
+    removed = []
+    for candidate in path.parent.iterdir():
+        pid = candidate.name.removeprefix(prefix).removesuffix(suffix)
+        if candidate.name != f"{prefix}{pid}{suffix}" or not (pid.isascii() and pid.isdigit()) or not _gone(int(pid)):
+            continue
+        candidate.unlink(missing_ok=True)
+        removed.append(candidate.name)
+    if removed:
+        _log.warning("%s: removed %d temporary files left by runs killed while writing it: %s",
+                     path, len(removed), ", ".join(sorted(removed)))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # another user's live process; a number no pid can be: left alone
+        pass
+    return False
 
 
 def _finite(value: Any) -> Any:
