@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from autogen_core import AgentId
+
 from agentkv.client import ERRORS, sanitize_id
 
 __all__ = ["GraphLineage", "digraph_of", "team_facts"]
@@ -126,6 +128,7 @@ class GraphLineage:
         self._seq = 0
         self._run_step = 0  # the highest step before the running run
         self._lock = threading.Lock()
+        self._looked_up = False  # for a manager created before the team was instrumented
 
     def begin_run(self, step: int) -> None:
         with self._lock:
@@ -142,7 +145,8 @@ class GraphLineage:
         Its manager does that within the run, so it holds whether or not the run's consumer reads
         ``run_stream`` on to the ``TaskResult``: AutoGen lets a run closed or cancelled early go on
         until its runtime is idle (the graph's end, or a termination condition). Hooks the manager
-        the team creates at its first run (autogen-agentchat 0.7.5: ``_reset_execution_state``).
+        the team creates at its first run (autogen-agentchat 0.7.5: ``_reset_execution_state``); a
+        team that ran already has its manager: :meth:`follow_existing_manager` hooks that one.
         """
         create_factory = getattr(team, "_create_group_chat_manager_factory", None)
         if not callable(create_factory):
@@ -154,21 +158,42 @@ class GraphLineage:
 
             def create_manager() -> Any:
                 manager = factory()
-                reset_execution_state = getattr(manager, "_reset_execution_state", None)
-                if not callable(reset_execution_state):
-                    ERRORS.record("autogen graph reset", message=_UNFOLLOWED)
-                    return manager
-
-                def reset_and_clear() -> None:
-                    reset_execution_state()
-                    self.clear()
-
-                manager._reset_execution_state = reset_and_clear
+                self._follow(manager)
                 return manager
 
             return create_manager
 
         team._create_group_chat_manager_factory = create_following_factory
+
+    async def follow_existing_manager(self, team: Any) -> None:
+        """Hook the manager ``team`` created before it was instrumented (it ran already), once; called
+        before each run, as finding it is asynchronous. The manager is the agent AutoGen's own
+        ``run_stream``/``reset``/``save_state`` address in the team's runtime."""
+        if self._looked_up or not getattr(team, "_initialized", False):
+            return
+        self._looked_up = True
+        try:
+            manager_id = AgentId(type=team._group_chat_manager_topic_type, key=team._team_id)
+            manager = await team._runtime.try_get_underlying_agent_instance(manager_id)
+        except Exception as exc:  # another AutoGen version; a runtime whose agents run elsewhere
+            ERRORS.record("autogen graph reset", exc, message=f"{_UNFOLLOWED} ({type(exc).__name__}: {exc})")
+            return
+        self._follow(manager)
+
+    def _follow(self, manager: Any) -> None:
+        reset_execution_state = getattr(manager, "_reset_execution_state", None)
+        if not callable(reset_execution_state):
+            ERRORS.record("autogen graph reset", message=_UNFOLLOWED)
+            return
+        if getattr(reset_execution_state, "__agentkv_lineage__", None) is self:
+            return  # created through the hooked factory: followed already
+
+        def reset_and_clear() -> None:
+            reset_execution_state()
+            self.clear()
+
+        reset_and_clear.__agentkv_lineage__ = self  # type: ignore[attr-defined]
+        manager._reset_execution_state = reset_and_clear
 
     def predecessor(self, node: str) -> tuple[str, int]:
         """``(parent, step)`` for a turn of ``node`` starting now (parent ``""`` for an entry)."""

@@ -357,7 +357,7 @@ def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
     original = team.run_stream
 
     def run_stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        return _session_stream(state, original, args, kwargs)
+        return _session_stream(team, state, original, args, kwargs)
 
     run_stream.__agentkv_original__ = original  # type: ignore[attr-defined]
     team.run_stream = run_stream
@@ -377,13 +377,16 @@ def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
 
 
 async def _session_stream(
-    state: TeamInstrumentation, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    team: Any, state: TeamInstrumentation, original: Callable[..., Any], args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> AsyncGenerator[Any, None]:
     """Run ``original`` (the team's ``run_stream``) as one run of the team's session.
 
     Closing this stream closes AutoGen's at once (a run left open keeps the team "already
     running"); a run that did not begin one (refused while another runs) does not end it.
     """
+    if state.graph is not None:
+        await state.graph.follow_existing_manager(team)
     session: str | None = None
     try:
         session = state.begin_run()
@@ -415,7 +418,8 @@ def instrument(
     """Tag every model call of an AutoGen team (``SelectorGroupChat``, round robin, swarm, ``GraphFlow``).
 
     Call it before the team's first run (AutoGen creates its manager then, handing it the selector's
-    client; a ``GraphFlow``'s manager is hooked to follow its graph's resets).
+    client; a ``GraphFlow``'s manager is hooked to follow its graph's resets, and one created before
+    is hooked at the team's next run).
     A session is the team's conversation: a run continues it (AutoGen keeps the messages), and
     ``team.reset()`` ends it. ``session``: a fixed session id or a function returning one per
     conversation; default a new id per conversation. ``events_url``: the vLLM server (base URL or
@@ -428,9 +432,9 @@ def instrument(
     existing = instrumentation(team)
     if existing is not None:
         return team
-    if getattr(team, "_initialized", False):
+    if getattr(team, "_initialized", False) and digraph_of(team) is None:  # a GraphFlow's manager: see GraphLineage
         ERRORS.record("autogen instrument", message="team already ran: its manager is not instrumented (the"
-                      " selector's model calls stay untagged, a GraphFlow's lineage misses its graph's ends)")
+                      " selector's model calls stay untagged)")
     sink = get_sink(events_url) if events_url else None
     state = TeamInstrumentation(team, session=session, selector_name=selector_name, sink=sink)
     for participant in getattr(team, "_participants", []):

@@ -183,9 +183,33 @@ def test_a_run_whose_consumer_stops_reading_early_resumes_a_graph_stopped_midway
                              ("writer", "s1", "critic", 3), ("publisher", "s1", "writer", 4)]
 
 
+def test_a_graph_flow_instrumented_after_it_ran_follows_its_graphs_end(server, monkeypatch):
+    """Instrumented after a run: AutoGen created the manager then, so the factory hook comes too late;
+    the manager it has is hooked at the next run. Unhooked, the third run's writer followed the second
+    run's critic (a false transition) though GraphFlow had gone back to its start node."""
+    monkeypatch.setattr(ERRORS, "by_kind", type(ERRORS.by_kind)())
+    server.script(None, "DRAFT 1", "shorter", "FINAL", "published")  # the run before: its calls are untagged
+    server.script("writer", "DRAFT 2", "FINAL", "FINAL")
+    team = graph_flow(server, [("writer", "critic", "DRAFT"), ("critic", "writer", None),
+                               ("writer", "publisher", "FINAL")], max_turns=20)
+
+    async def run_instrument_then_two_runs() -> None:
+        await team.run(task="write")  # not instrumented yet
+        instrument(team, session="s1")
+        await team.run(task="again")  # continues the conversation after the graph completed
+        await team.run(task="once more")
+
+    asyncio.run(run_instrument_then_two_runs())
+    assert server.tags()[4:] == [("writer", "s1", "", 1), ("critic", "s1", "writer", 2),
+                                 ("writer", "s1", "critic", 3), ("publisher", "s1", "writer", 4),
+                                 ("writer", "s1", "", 5), ("publisher", "s1", "writer", 6)]
+    assert not ERRORS.by_kind  # nothing it could not follow
+
+
 def test_a_graph_flow_whose_manager_cannot_be_hooked_is_counted_not_raised(monkeypatch):
-    """Another AutoGen version (no manager factory, or a manager without ``_reset_execution_state``):
-    the lineage cannot follow the graph's resets, which is counted, and the team still runs."""
+    """Another AutoGen version (no manager factory, or a manager without ``_reset_execution_state``), or
+    a manager created already that the runtime does not hand out: the lineage cannot follow the
+    graph's resets, which is counted, and the team still runs."""
     monkeypatch.setattr(ERRORS, "by_kind", type(ERRORS.by_kind)())
     lineage = GraphLineage(graph_flow(FakeOpenAI(), [("a", "b", None)])._graph)
     lineage.follow_resets(object())
@@ -193,6 +217,16 @@ def test_a_graph_flow_whose_manager_cannot_be_hooked_is_counted_not_raised(monke
     lineage.follow_resets(team)
     assert type(team._create_group_chat_manager_factory(name="m")()) is object
     assert ERRORS.by_kind["autogen graph reset"] == 2
+
+    class Elsewhere:  # a runtime whose agents run in another process
+        async def try_get_underlying_agent_instance(self, agent_id: Any) -> Any:
+            raise LookupError(agent_id)
+
+    ran = type("Team", (), {"_initialized": True, "_runtime": Elsewhere(), "_group_chat_manager_topic_type": "m",
+                            "_team_id": "t"})()
+    asyncio.run(lineage.follow_existing_manager(ran))
+    asyncio.run(lineage.follow_existing_manager(ran))  # looked up once, not before every run
+    assert ERRORS.by_kind["autogen graph reset"] == 3
 
 
 def test_graph_flow_conditions_are_asked_once_per_message_by_graphflow_only(server):
