@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._entropy import predictability_of_counts, transition_entropy_ratio
+from ._expired import ExpiredSession, ExpiredSessions
 from ._learner_state import LearnerState
 from ._lineage import LearnedTransition, Observation, SessionLineage
 from ._peers import PeerCounts, PeerExport
@@ -54,7 +55,7 @@ class TransitionLearner:
 
     Invariants: ``_counts[i, j] / _weight`` is the (decayed) number of observed i -> j
     transitions, ``_entry[j] / _weight`` the number of sessions that started at j,
-    ``_ends[i] / _weight`` the number that ended (or went idle) after i and
+    ``_ends[i] / _weight`` the number that ended (or went idle: taken back if they return) after i and
     ``_interposed[i] / _weight`` the number of i's calls found interposed (see :meth:`observe`);
     ``_best[i]`` is an argmax of row i (-1: empty row); ``_agent_seen[i]`` is the dispatch number
     of agent i's last sighting, at most ``_dispatches`` (a snapshot keeps it: ``_learner_state.py``);
@@ -80,6 +81,7 @@ class TransitionLearner:
         self._weight = 1.0
         self._sessions: OrderedDict[str, SessionLineage] = OrderedDict()
         self._naming: list[set[str]] = []  # per slot, the live sessions naming it
+        self._expired = ExpiredSessions()  # idle past the TTL, in case they come back
         self._dispatches = 0
         self._predictions = 0
         self._correct = 0
@@ -103,7 +105,8 @@ class TransitionLearner:
         """Learn one dispatch of ``agent``.
 
         ``parent`` is the agent that ran before in this session: ``""`` marks the first
-        dispatch of a session, ``None`` defers to the session's last observed agent.
+        dispatch of a session, ``None`` defers to the session's last observed agent (also when the
+        session idled past ``session_ttl`` and comes back: the end counted for it is taken back).
         A request repeating the session's last (agent, step) is the same dispatch (an
         agent's tool loop sends several) and, like a warm-up, teaches nothing: None.
 
@@ -120,6 +123,8 @@ class TransitionLearner:
         now = self.clock() if now is None else now
         self._expire_sessions(now)
         state = self._sessions.get(session) if session is not None else None
+        if state is None and session is not None:
+            state = self._revive(session, now, parent)
         if step is not None and state is not None and state.step == step and self._names[state.index] == agent:
             state.seen = now
             self._sessions.move_to_end(session)  # type: ignore[arg-type]
@@ -164,8 +169,6 @@ class TransitionLearner:
                 self._best[previous_index] = index
         if session is not None:
             self._place(session, SessionLineage(index, now, step, learned))
-            if len(self._sessions) > self.config.max_sessions:
-                self._drop(next(iter(self._sessions)))
         self.version += 1
         return Observation(agent, session, None if previous_index is None else previous, predicted)
 
@@ -201,6 +204,8 @@ class TransitionLearner:
         self._naming[state.index].add(session)
         if state.learned is not None:
             self._naming[state.learned.previous].add(session)
+        if len(self._sessions) > self.config.max_sessions:
+            self._drop(next(iter(self._sessions)))
 
     def _drop(self, session: str) -> SessionLineage | None:
         """Forget a live session (None if unknown), and its entries in ``_naming``."""
@@ -212,11 +217,31 @@ class TransitionLearner:
         return state
 
     def end_session(self, session: str) -> None:
-        """The session ended (or was cancelled): learn that its last agent ended it."""
+        """The session ended (or was cancelled): learn that its last agent ended it. Final, also for a
+        session that expired: a later dispatch of it starts a new session."""
+        self._expired.pop(session)
+        self._end(session)
+
+    def _end(self, session: str) -> SessionLineage | None:
         state = self._drop(session)
         if state is not None:
             self._ends[state.index] += self._weight
             self.version += 1
+        return state
+
+    def _revive(self, session: str, now: float, parent: str | None) -> SessionLineage | None:
+        """The lineage of a session that expired and came back, its end taken back (None: not remembered,
+        or ``parent`` ``""`` starts it anew, so it did end). Its last call's transition stays learned:
+        after so long it is not found interposed."""
+        expired = self._expired.pop(session)
+        if expired is None or parent == "":
+            return None
+        # the same stored amount the end added (rescaled with the counts); max: float rounding only
+        self._ends[expired.index] = max(0.0, self._ends[expired.index] - expired.end)
+        self.version += 1
+        state = SessionLineage(expired.index, now, expired.step)
+        self._place(session, state)
+        return state
 
     def _age(self) -> None:
         if self._decay == 1.0:
@@ -230,6 +255,7 @@ class TransitionLearner:
             for state in self._sessions.values():
                 if state.learned is not None:
                     state.learned.weight /= self._weight
+            self._expired.rescale(self._weight)
             self._weight = 1.0
 
     def _expire_sessions(self, now: float) -> None:
@@ -238,7 +264,8 @@ class TransitionLearner:
             session, state = next(iter(self._sessions.items()))
             if state.seen >= deadline:
                 break
-            self.end_session(session)  # idle past the TTL: the session is over
+            self._end(session)  # idle past the TTL: over, unless it comes back (``_revive``)
+            self._expired.add(session, ExpiredSession(state.index, state.step, self._weight))
 
     def _intern(self, agent: str) -> int:
         """The slot of ``agent``; a new agent's slot is stamped as seen now, so that interning
@@ -290,6 +317,7 @@ class TransitionLearner:
             else:
                 state.learned = None  # its count was cleared with the row
         self._naming[index].clear()
+        self._expired.forget_slot(index)
         return index
 
     def _recompute_best(self, row: int) -> None:

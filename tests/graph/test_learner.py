@@ -7,6 +7,7 @@ import pytest
 
 from agentkv.bench.topologies import AGENTS, sample_dispatches, stationary, topology
 from agentkv.graph import LearnerConfig, PeerExport, Predictor, TransitionLearner, load_snapshot, save_snapshot
+from agentkv.graph._expired import MAX_EXPIRED
 
 
 def _counts(learner: TransitionLearner) -> dict[tuple[str, str], float]:
@@ -150,6 +151,81 @@ def test_sessions_expire_when_idle_and_are_capped():
     for s in ("s1", "s2", "s3"):
         learner.observe("a", session=s)
     assert list(learner.session_agents()) == ["s1", "s2", "s3"]
+
+
+# (half-life, calls while s is away, tolerance): at 3.0 the counts are rescaled once while s is away; at
+# 0.01 every five calls, and an end counted 2 ** 200 times heavier rounds the real one at b away (the clamp)
+@pytest.mark.parametrize(("half_life", "calls", "tolerance"), [(None, 10, 0.0), (3.0, 1600, 0.0), (0.01, 10, 1e-12)])
+def test_a_session_back_after_the_ttl_continues_its_lineage_and_its_end_is_taken_back(half_life, calls, tolerance):
+    def run(ttl: float) -> tuple[TransitionLearner, float]:
+        now = [0.0]
+        learner = TransitionLearner(LearnerConfig(session_ttl=ttl, half_life=half_life), clock=lambda: now[0])
+        for agent in ("a", "b"):
+            learner.observe(agent, session="done")
+        learner.end_session("done")  # b ended a session for real
+        learner.observe("a", session="s")
+        learner.observe("b", session="s")
+        now[0] = 100.0
+        for _ in range(calls):  # the first call expires s (a human in the loop, a long batch tool)
+            learner.observe("x", session="other")
+        away = learner.end_counts()[1]
+        learner.observe("c", session="s")  # parent None: after the session's last agent, b
+        return learner, away
+
+    (slow, away), (never_idle, away_never_idle) = run(ttl=10.0), run(ttl=1000.0)
+    assert away > away_never_idle  # the expiry counted an end at b ...
+    assert _counts(slow)[("b", "c")] > 0 and slow.entry_counts()[slow.agents.index("c")] == 0
+    for read in ("counts", "entry_counts", "end_counts"):  # ... taken back exactly when s came back
+        assert getattr(slow, read)() == pytest.approx(getattr(never_idle, read)(), rel=1e-9, abs=tolerance)
+    assert slow.accuracy == never_idle.accuracy and slow.session_agents() == never_idle.session_agents()
+
+
+@pytest.mark.parametrize("expired_first", [False, True])
+def test_an_explicit_end_stays_final_and_a_first_dispatch_starts_anew(expired_first):
+    now = [0.0]
+    learner = TransitionLearner(LearnerConfig(session_ttl=10), clock=lambda: now[0])
+    for session in ("s", "t"):
+        learner.observe("a", session=session)
+        learner.observe("b", session=session)
+    if expired_first:
+        now[0] = 100.0
+        learner.observe("x", session="other")  # expires s and t
+    learner.end_session("s")  # a session_end event (it confirms an expiry: no second end)
+    version = learner.version
+    now[0] = 200.0
+    learner.observe("c", session="s")
+    learner.observe("c", session="t", parent="")  # a first dispatch: t, expired, did end
+    assert learner.version > version
+    assert ("b", "c") not in _counts(learner)
+    agents = learner.agents
+    assert learner.entry_counts()[agents.index("c")] == 2.0
+    assert learner.end_counts()[agents.index("b")] == 2.0
+
+
+def test_the_expired_sessions_remembered_are_bounded():
+    now = [0.0]
+    learner = TransitionLearner(LearnerConfig(session_ttl=10), clock=lambda: now[0])
+    for i in range(MAX_EXPIRED + 1):
+        learner.observe("a", session=f"s{i}")
+    now[0] = 100.0
+    learner.observe("b", session="other")  # expires all of them; s0, the first, is forgotten
+    learner.observe("b", session="s0")
+    learner.observe("b", session="s1")
+    assert _counts(learner) == {("a", "b"): 1.0}
+    assert learner.entry_counts().tolist() == [MAX_EXPIRED + 1, 2.0]
+    assert learner.end_counts().tolist() == [MAX_EXPIRED, 0.0]
+
+
+def test_an_expired_session_whose_agent_slot_was_recycled_starts_anew():
+    now = [0.0]
+    learner = TransitionLearner(LearnerConfig(session_ttl=10, max_agents=2), clock=lambda: now[0])
+    learner.observe("a", session="s")
+    now[0] = 100.0
+    learner.observe("b", session="other")  # expires s
+    learner.observe("c", session="t")  # takes a's slot, and its end count
+    learner.observe("c", session="s")  # s's last agent is gone: not c -> c
+    assert _counts(learner) == {}
+    assert learner.entry_counts().tolist() == [2.0, 1.0] and learner.end_counts().tolist() == [0.0, 0.0]
 
 
 def test_accuracy_is_none_before_any_prediction():

@@ -166,7 +166,8 @@ def test_summing_over_steps_per_chain_row_is_the_gathered_sum(n, steps, drawn, e
 def test_the_sessions_naming_each_agent_slot_are_indexed_exactly(calls):
     """``_naming[i]``: the live sessions whose agent, or whose taught transition's previous agent, is
     slot i, so that recycling a slot visits those alone; after any calls, ends, interposed calls and
-    recycled slots (3 agents, 3 sessions), no session names a slot another agent took over."""
+    recycled slots (3 agents, 3 sessions), no session names a slot another agent took over, nor does an expired
+    one remembered in case it comes back."""
     now = [0.0]
     learner = TransitionLearner(LearnerConfig(max_agents=3, max_sessions=3, session_ttl=30), clock=lambda: now[0])
     last: dict[str, str] = {}
@@ -182,4 +183,9 @@ def test_the_sessions_naming_each_agent_slot_are_indexed_exactly(calls):
         for slot, naming in enumerate(learner._naming):
             assert naming == {s for s, state in states.items() if state.index == slot or (
                 state.learned is not None and state.learned.previous == slot)}
+        expired = learner._expired._entries  # remembered until they return, apart from the live ones
+        assert not expired.keys() & states.keys()
+        assert all(learner.agents[e.index] == last[s] for s, e in expired.items())
+        assert learner._expired._by_slot == {
+            slot: {s for s, e in expired.items() if e.index == slot} for slot in {e.index for e in expired.values()}}
     assert len(learner._naming) == len(learner.agents)
