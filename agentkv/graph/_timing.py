@@ -399,8 +399,11 @@ class SessionTiming:
 
     def implied_step(self, session: str, agent: str) -> int:
         """The dispatch step of a request that carries none: the session's current one when its
-        last request was ``agent``'s (a tool loop's calls, as recognition counts them), else the next."""
+        last request was ``agent``'s (a tool loop's calls, as recognition counts them), else the next.
+        A session taken for over (``expire``) that comes back continues its step too."""
         state = self._sessions.get(session)
+        if state is None and session in self._expired:
+            state = self._expired[session][0]
         if state is None or state.step is None:
             return 0
         return state.step if state.agent == agent else state.step + 1

@@ -467,6 +467,9 @@ def test_a_request_without_a_step_continues_the_dispatch_of_its_agent():
     assert timing.implied_step("s", "a") == 0 and timing.implied_step("s", "b") == 1
     timing.observe("s", "b", 1.0, 1)
     assert timing.implied_step("s", "a") == 2
+    timing.expire("s")  # taken for over in b's tool call, which then returns: the same dispatch
+    assert timing.implied_step("s", "b") == 1 and timing.implied_step("s", "c") == 2
+    assert timing.implied_step("t", "b") == 0  # a session never seen
 
 
 def test_a_busy_session_is_idle_0_and_a_timed_out_one_that_returns_continues():
