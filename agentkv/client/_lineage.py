@@ -95,11 +95,16 @@ class SessionTracker:
             DISPATCH.notify(record)
         return record
 
-    def start_session(self, session: str, *, keep_lineage: bool = False) -> None:
-        """Begin a new episode of ``session``: the next dispatch is a first dispatch (parent ``""``)."""
+    def start_session(
+        self, session: str, *, keep_lineage: bool = False, after: tuple[str, int] | None = None
+    ) -> None:
+        """Begin a new episode of ``session``: the next dispatch is a first dispatch (parent ``""``), or,
+        ``after=(agent, step)``, follows a turn that ran before the session (e.g. in a saved conversation)."""
         with self._lock:
             state = self._state(session)
-            if not keep_lineage:
+            if after is not None:
+                state.last_agent, state.step = after[0], max(state.step, after[1])
+            elif not keep_lineage:
                 state.last_agent = None
 
     def end_session(self, session: str, *, notify: bool = True) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +115,7 @@ class GraphLineage:
     the run), so the branches of a fan-out are siblings of one step.
 
     Remembers each participant's latest turn only, until GraphFlow goes back to its start nodes
-    (:meth:`follow_resets`) or the team's conversation ends.
+    (:meth:`follow_resets`) or the team's conversation ends (a reset, a state loaded: :meth:`resume`).
     """
 
     def __init__(self, graph: Any) -> None:
@@ -205,6 +205,15 @@ class GraphLineage:
             return "", run_step + 1
         turn = max(fired, key=lambda t: t.seq)
         return turn.agent, turn.step + 1
+
+    def resume(self, turns: Iterable[tuple[str, int, Any]]) -> None:
+        """Go on after ``turns`` ((node, step, last message), in order): a conversation loaded midway
+        through the graph, whose nodes' latest turns ran elsewhere."""
+        with self._lock:
+            self._latest.clear()
+            for node, step, message in turns:
+                self._seq += 1
+                self._latest[node] = _Turn(self._seq, sanitize_id(node), step, message)
 
     def turn_ended(self, node: str, agent: str, step: int, message: Any) -> None:
         with self._lock:

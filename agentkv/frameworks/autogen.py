@@ -8,9 +8,10 @@ Seams (autogen-agentchat 0.7.5): each participant's ``_model_client`` and the te
 are replaced, before the first run, by a :class:`TaggedModelClient`; each participant's
 ``on_messages_stream`` is wrapped to mark a speaker turn (one dispatch per turn, parent = previous
 speaker; in a ``GraphFlow``, the speaker whose edge led to it: :mod:`._autogen_graph`); the team's
-``run_stream`` is wrapped to open a session (or go on with the team's conversation) and ``reset`` to
-end it. ``instrument`` mutates the team and returns it, so it stays a real team. The selector's own
-model calls are tagged ``agent="selector"`` and are not dispatches (see docs/frameworks.md, "AutoGen").
+``run_stream`` is wrapped to open a session (or go on with the team's conversation), ``reset`` and
+``load_state`` to end it (:mod:`._autogen_load`: where the loaded conversation goes on). ``instrument``
+mutates the team and returns it, so it stays a real team. The selector's own model calls are tagged
+``agent="selector"`` and are not dispatches (see docs/frameworks.md, "AutoGen").
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from agentkv.client import (
 from agentkv.protocol import AgentTag
 
 from ._autogen_graph import GraphLineage, digraph_of, team_facts
+from ._autogen_load import LoadedConversation, loaded_conversation
 from ._events import EventSink, SinkHandle, get_sink, session_event
 
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
@@ -151,6 +153,7 @@ class TeamInstrumentation:
         self._session_spec = session
         self.session: str | None = None  # the running session
         self.conversation: str | None = None  # the session of the team's conversation, until reset
+        self._loaded: LoadedConversation | None = None  # a state loaded since, for the next conversation
         self._tags: dict[str, AgentTag] = {}
         self._lock = threading.Lock()
         self.speakers: list[tuple[str, str | None, int | None]] = []  # (agent, parent, step) of the last run
@@ -171,7 +174,8 @@ class TeamInstrumentation:
 
     def begin_run(self) -> str | None:
         """A run starts: the team's conversation goes on (its session, its lineage) unless it was
-        reset, which starts a new session.
+        reset or replaced by a loaded state, which starts a new session (going on after the loaded
+        conversation's last turn).
 
         None, changing nothing, while another run is in progress: AutoGen refuses that run, and
         the running one keeps its session, tags and lineage.
@@ -183,13 +187,18 @@ class TeamInstrumentation:
             session = self.conversation if going_on else self._new_session()
             self.session = self.conversation = session
             self._tags.clear()
+            loaded, self._loaded = self._loaded, None
+            turns = loaded.turns if loaded is not None and not going_on else ()
+            after = (sanitize_id(turns[-1].node), turns[-1].step) if turns else None
             if not going_on:
-                self.speakers = []
+                self.speakers = [] if after is None else [(after[0], None, after[1])]  # its parent: not saved
             if self.graph is not None:
                 if not going_on:
                     self.graph.clear()
+                    if loaded is not None and not loaded.graph_at_start:
+                        self.graph.resume((t.node, t.step, t.message) for t in turns)
                 self.graph.begin_run(max((step or 0 for _, _, step in self.speakers), default=0))
-        tracker().start_session(session, keep_lineage=going_on)
+        tracker().start_session(session, keep_lineage=going_on, after=after)
         count("autogen_runs")
         if self.sink is not None:
             self.sink.post([self.facts, session_event("session_start", session)])
@@ -203,10 +212,12 @@ class TeamInstrumentation:
                 self.session = None
         tracker().end_session(session)  # this run's lineage listeners
 
-    def end_conversation(self) -> None:
-        """The team was reset: its conversation, and so its session, is over."""
+    def end_conversation(self, loaded: LoadedConversation | None = None) -> None:
+        """The team was reset, or ``loaded`` a state (None if unreadable): its conversation, and so its
+        session, is over; the next run starts the loaded one."""
         with self._lock:
             session, self.conversation = self.conversation, None
+            self._loaded = loaded
         if session is not None and self.sink is not None:
             self.sink.post([session_event("session_end", session)])
 
@@ -374,6 +385,18 @@ def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
 
     reset.__agentkv_original__ = original_reset  # type: ignore[attr-defined]
     team.reset = reset
+    original_load_state = team.load_state
+
+    async def load_state(saved: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original_load_state(saved, *args, **kwargs)  # refused (running, bad state): nothing changed
+        try:
+            state.end_conversation(loaded_conversation(team, saved))
+        except Exception as exc:
+            ERRORS.record("autogen session end", exc)
+        return result
+
+    load_state.__agentkv_original__ = original_load_state  # type: ignore[attr-defined]
+    team.load_state = load_state
 
 
 async def _session_stream(
@@ -421,7 +444,8 @@ def instrument(
     client; a ``GraphFlow``'s manager is hooked to follow its graph's resets, and one created before
     is hooked at the team's next run).
     A session is the team's conversation: a run continues it (AutoGen keeps the messages), and
-    ``team.reset()`` ends it. ``session``: a fixed session id or a function returning one per
+    ``team.reset()`` ends it, as does ``team.load_state()``, whose conversation is a new session that
+    goes on after the loaded one's last turn. ``session``: a fixed session id or a function returning one per
     conversation; default a new id per conversation. ``events_url``: the vLLM server (base URL or
     full events URL), or a list of them (every replica behind a router), for graph facts and
     ``session_start``/``session_end`` events. Returns the same team, instrumented;
