@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autogen_core import AgentId
-
 from agentkv.client import ERRORS, sanitize_id
 
 __all__ = ["GraphLineage", "digraph_of", "team_facts"]
@@ -128,7 +126,6 @@ class GraphLineage:
         self._seq = 0
         self._run_step = 0  # the highest step before the running run
         self._lock = threading.Lock()
-        self._looked_up = False  # for a manager created before the team was instrumented
 
     def begin_run(self, step: int) -> None:
         with self._lock:
@@ -146,7 +143,8 @@ class GraphLineage:
         ``run_stream`` on to the ``TaskResult``: AutoGen lets a run closed or cancelled early go on
         until its runtime is idle (the graph's end, or a termination condition). Hooks the manager
         the team creates at its first run (autogen-agentchat 0.7.5: ``_reset_execution_state``); a
-        team that ran already has its manager: :meth:`follow_existing_manager` hooks that one.
+        team that ran before it was instrumented has its manager already, which is found and
+        :meth:`follow`-ed at its next run.
         """
         create_factory = getattr(team, "_create_group_chat_manager_factory", None)
         if not callable(create_factory):
@@ -158,29 +156,15 @@ class GraphLineage:
 
             def create_manager() -> Any:
                 manager = factory()
-                self._follow(manager)
+                self.follow(manager)
                 return manager
 
             return create_manager
 
         team._create_group_chat_manager_factory = create_following_factory
 
-    async def follow_existing_manager(self, team: Any) -> None:
-        """Hook the manager ``team`` created before it was instrumented (it ran already), once; called
-        before each run, as finding it is asynchronous. The manager is the agent AutoGen's own
-        ``run_stream``/``reset``/``save_state`` address in the team's runtime."""
-        if self._looked_up or not getattr(team, "_initialized", False):
-            return
-        self._looked_up = True
-        try:
-            manager_id = AgentId(type=team._group_chat_manager_topic_type, key=team._team_id)
-            manager = await team._runtime.try_get_underlying_agent_instance(manager_id)
-        except Exception as exc:  # another AutoGen version; a runtime whose agents run elsewhere
-            ERRORS.record("autogen graph reset", exc, message=f"{_UNFOLLOWED} ({type(exc).__name__}: {exc})")
-            return
-        self._follow(manager)
-
-    def _follow(self, manager: Any) -> None:
+    def follow(self, manager: Any) -> None:
+        """Clear whenever ``manager`` (the team's ``GraphFlowManager``) goes back to its start nodes."""
         reset_execution_state = getattr(manager, "_reset_execution_state", None)
         if not callable(reset_execution_state):
             ERRORS.record("autogen graph reset", message=_UNFOLLOWED)

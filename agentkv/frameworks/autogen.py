@@ -4,8 +4,8 @@
     agentkv.frameworks.autogen.instrument(team, events_url="http://127.0.0.1:8000")
     await team.run(task="...")
 
-Seams (autogen-agentchat 0.7.5): each participant's ``_model_client`` and the team's (the selector's)
-are replaced, before the first run, by a :class:`TaggedModelClient`; each participant's
+Seams (autogen-agentchat 0.7.5): each participant's ``_model_client`` and the team's (the selector's,
+also its manager's if created already) are replaced by a :class:`TaggedModelClient`; each participant's
 ``on_messages_stream`` is wrapped to mark a speaker turn (one dispatch per turn, parent = previous
 speaker; in a ``GraphFlow``, the speaker whose edge led to it: :mod:`._autogen_graph`); the team's
 ``run_stream`` is wrapped to open a session (or go on with the team's conversation), ``reset`` and
@@ -22,6 +22,7 @@ import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, Final
 
+from autogen_core import AgentId
 from autogen_core.models import ChatCompletionClient
 
 from agentkv.client import (
@@ -45,6 +46,8 @@ from ._events import EventSink, SinkHandle, get_sink, session_event
 __all__ = ["TaggedModelClient", "TeamInstrumentation", "instrument", "instrumentation", "team_facts"]
 
 _STATE_ATTR: Final = "_agentkv_instrumentation"
+_UNHOOKED: Final = ("the team's manager, created before instrument(), cannot be found: the selector's model calls"
+                    " stay untagged, and a GraphFlow's run after its graph's end follows the turns before it")
 _TEAMS_ATTR: Final = "_agentkv_teams"  # on a participant: the instrumentations of the teams it is in
 
 
@@ -161,6 +164,7 @@ class TeamInstrumentation:
         self.graph = None if graph is None else GraphLineage(graph)  # a GraphFlow's speakers follow its graph
         if self.graph is not None:
             self.graph.follow_resets(team)
+        self._manager_to_hook = bool(getattr(team, "_initialized", False))  # created before: not by the factory
 
     # -- session ---------------------------------------------------------------------
 
@@ -220,6 +224,24 @@ class TeamInstrumentation:
             self._loaded = loaded
         if session is not None and self.sink is not None:
             self.sink.post([session_event("session_end", session)])
+
+    async def hook_existing_manager(self, team: Any) -> None:
+        """Give the manager ``team`` created before it was instrumented (at a run, a ``save_state``...)
+        what its factory would have: the tagged selector client, the graph's resets followed.
+
+        Once, before the next run (finding it is asynchronous): the manager is the agent AutoGen's
+        own ``run_stream``/``reset``/``save_state`` address in the team's runtime.
+        """
+        if not self._manager_to_hook:
+            return
+        self._manager_to_hook = False
+        manager_id = AgentId(type=team._group_chat_manager_topic_type, key=team._team_id)
+        manager = await team._runtime.try_get_underlying_agent_instance(manager_id)
+        client = getattr(manager, "_model_client", None)
+        if isinstance(client, ChatCompletionClient):  # AutoGen handed it the team's client at creation
+            manager._model_client = TaggedModelClient(_unwrap(client), self.selector_tag)
+        if self.graph is not None:
+            self.graph.follow(manager)
 
     # -- tags ------------------------------------------------------------------------
 
@@ -408,8 +430,10 @@ async def _session_stream(
     Closing this stream closes AutoGen's at once (a run left open keeps the team "already
     running"); a run that did not begin one (refused while another runs) does not end it.
     """
-    if state.graph is not None:
-        await state.graph.follow_existing_manager(team)
+    try:
+        await state.hook_existing_manager(team)
+    except Exception as exc:  # another AutoGen version; a runtime whose agents run elsewhere
+        ERRORS.record("autogen manager", exc, message=f"{_UNHOOKED} ({type(exc).__name__}: {exc})")
     session: str | None = None
     try:
         session = state.begin_run()
@@ -440,9 +464,10 @@ def instrument(
 ) -> Any:
     """Tag every model call of an AutoGen team (``SelectorGroupChat``, round robin, swarm, ``GraphFlow``).
 
-    Call it before the team's first run (AutoGen creates its manager then, handing it the selector's
-    client; a ``GraphFlow``'s manager is hooked to follow its graph's resets, and one created before
-    is hooked at the team's next run).
+    Best before the team's first run, when AutoGen creates its manager (handing it the selector's
+    client; a ``GraphFlow``'s manager is hooked to follow its graph's resets); a manager created
+    before is found in the team's runtime at its next run and given the same, or, if it cannot be
+    found, an error is counted and the selector's calls stay untagged.
     A session is the team's conversation: a run continues it (AutoGen keeps the messages), and
     ``team.reset()`` ends it, as does ``team.load_state()``, whose conversation is a new session that
     goes on after the loaded one's last turn. ``session``: a fixed session id or a function returning one per
@@ -456,9 +481,6 @@ def instrument(
     existing = instrumentation(team)
     if existing is not None:
         return team
-    if getattr(team, "_initialized", False) and digraph_of(team) is None:  # a GraphFlow's manager: see GraphLineage
-        ERRORS.record("autogen instrument", message="team already ran: its manager is not instrumented (the"
-                      " selector's model calls stay untagged)")
     sink = get_sink(events_url) if events_url else None
     state = TeamInstrumentation(team, session=session, selector_name=selector_name, sink=sink)
     for participant in getattr(team, "_participants", []):

@@ -16,6 +16,7 @@ from autogen_agentchat.conditions import MaxMessageTermination
 from autogen_agentchat.teams import RoundRobinGroupChat, SelectorGroupChat
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
+from agentkv.client import ERRORS
 from agentkv.frameworks import Dispatch, current_tag, on_dispatch_end
 from agentkv.frameworks.autogen import TaggedModelClient, instrument, instrumentation, team_facts
 from agentkv.graph import TransitionLearner
@@ -350,3 +351,51 @@ def test_agents_shared_by_several_teams_are_tagged_for_the_team_running(server):
         server.requests.clear()
         asyncio.run(run(team))
         assert [t[:2] for t in server.tags()] == [("x", session), ("y", session)]
+
+
+def test_a_selector_group_chat_instrumented_after_it_ran_tags_the_selector(server, monkeypatch):
+    """AutoGen handed the selector's client to the manager at the first run, before ``instrument``:
+    the selector's calls stayed untagged (and an error was counted); the manager found in the team's
+    runtime at the next run gets the tagged client, as if instrumented before its first run."""
+    monkeypatch.setattr(ERRORS, "by_kind", type(ERRORS.by_kind)())
+    server.script(None, "planner", "planned")  # the run before: its calls are untagged
+    server.script("selector", "coder", "critic", "planner")
+    team = make_team(server, messages=2)
+
+    async def run_instrument_then_two_runs() -> None:
+        await team.run(task="plan")  # not instrumented yet
+        instrument(team, session="late")
+        await team.run(task="code")
+        await team.run(task="review")
+
+    asyncio.run(run_instrument_then_two_runs())
+    assert server.tags()[2:] == [
+        ("selector", "late", "", 0),
+        ("coder", "late", "", 1),
+        ("selector", "late", "coder", 1),
+        ("critic", "late", "coder", 2),
+    ]
+    assert not ERRORS.by_kind
+
+
+def test_a_manager_not_found_in_the_runtime_is_counted_once_and_the_team_still_runs(server, monkeypatch):
+    """A runtime that does not hand out its agents (they run in another process): the manager created
+    before ``instrument`` keeps its untagged client, which is counted (looked up once), not raised."""
+    monkeypatch.setattr(ERRORS, "by_kind", type(ERRORS.by_kind)())
+    server.script(None, "planner", "planned", "coder", "critic")
+    team = make_team(server, messages=2)
+
+    async def elsewhere(agent_id: Any) -> Any:
+        raise LookupError(agent_id)
+
+    async def run_instrument_then_two_runs() -> list[TaskResult]:
+        await team.run(task="plan")
+        monkeypatch.setattr(team._runtime, "try_get_underlying_agent_instance", elsewhere)
+        instrument(team, session="elsewhere")
+        return [await team.run(task="code"), await team.run(task="review")]
+
+    results = asyncio.run(run_instrument_then_two_runs())
+    assert [r.messages[-1].source for r in results] == ["coder", "critic"]
+    assert server.tags()[2:] == [(None, None, None, None), ("coder", "elsewhere", "", 1),
+                                 (None, None, None, None), ("critic", "elsewhere", "coder", 2)]
+    assert dict(ERRORS.by_kind) == {"autogen manager": 1}

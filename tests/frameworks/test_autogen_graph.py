@@ -207,25 +207,16 @@ def test_a_graph_flow_instrumented_after_it_ran_follows_its_graphs_end(server, m
 
 
 def test_a_graph_flow_whose_manager_cannot_be_hooked_is_counted_not_raised(monkeypatch):
-    """Another AutoGen version (no manager factory, or a manager without ``_reset_execution_state``), or
-    a manager created already that the runtime does not hand out: the lineage cannot follow the
-    graph's resets, which is counted, and the team still runs."""
+    """Another AutoGen version (no manager factory, or a manager without ``_reset_execution_state``): the
+    lineage cannot follow the graph's resets, which is counted, and the team still runs (a manager
+    the runtime does not hand out: test_autogen)."""
     monkeypatch.setattr(ERRORS, "by_kind", type(ERRORS.by_kind)())
     lineage = GraphLineage(graph_flow(FakeOpenAI(), [("a", "b", None)])._graph)
     lineage.follow_resets(object())
     team = type("Team", (), {"_create_group_chat_manager_factory": lambda self, **kw: object})()
     lineage.follow_resets(team)
     assert type(team._create_group_chat_manager_factory(name="m")()) is object
-    assert ERRORS.by_kind["autogen graph reset"] == 2
-
-    class Elsewhere:  # a runtime whose agents run in another process
-        async def try_get_underlying_agent_instance(self, agent_id: Any) -> Any:
-            raise LookupError(agent_id)
-
-    ran = type("Team", (), {"_initialized": True, "_runtime": Elsewhere(), "_group_chat_manager_topic_type": "m",
-                            "_team_id": "t"})()
-    asyncio.run(lineage.follow_existing_manager(ran))
-    asyncio.run(lineage.follow_existing_manager(ran))  # looked up once, not before every run
+    lineage.follow(object())
     assert ERRORS.by_kind["autogen graph reset"] == 3
 
 
