@@ -397,13 +397,12 @@ def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
     original_reset = team.reset
 
     async def reset(*args: Any, **kwargs: Any) -> Any:
+        result = await original_reset(*args, **kwargs)  # refused (a run in progress): the conversation goes on
         try:
-            return await original_reset(*args, **kwargs)
-        finally:
-            try:
-                state.end_conversation()
-            except Exception as exc:
-                ERRORS.record("autogen session end", exc)
+            state.end_conversation()
+        except Exception as exc:
+            ERRORS.record("autogen session end", exc)
+        return result
 
     reset.__agentkv_original__ = original_reset  # type: ignore[attr-defined]
     team.reset = reset

@@ -208,6 +208,29 @@ def test_a_run_without_reset_continues_the_conversation_and_its_session(server):
     assert instrumentation(team).conversation is None
 
 
+def test_a_reset_autogen_refuses_while_the_team_runs_leaves_its_session(server):
+    """AutoGen refuses ``reset`` while a run is in progress and keeps the conversation: so does agentkv
+    (it ended the session, and the run's next speaker started a new one)."""
+    team = instrument(make_team(server, messages=3))
+    server.script("selector", "planner", "critic")
+
+    async def reset_midway() -> None:
+        async for item in team.run_stream(task="go"):
+            if getattr(item, "source", None) == "planner":
+                with pytest.raises(RuntimeError):
+                    await team.reset()
+
+    asyncio.run(reset_midway())
+    session = server.tags()[0][1]
+    assert server.tags() == [
+        ("selector", session, "", 0),
+        ("planner", session, "", 1),
+        ("selector", session, "planner", 1),
+        ("critic", session, "planner", 2),
+    ]
+    assert instrumentation(team).conversation == session
+
+
 def test_instrument_is_idempotent_and_keeps_the_team_usable(server):
     team = make_team(server)
     assert instrument(team) is team and instrument(team) is team
