@@ -394,30 +394,28 @@ def _wrap_run(team: Any, state: TeamInstrumentation) -> None:
 
     run_stream.__agentkv_original__ = original  # type: ignore[attr-defined]
     team.run_stream = run_stream
-    original_reset = team.reset
+    _end_conversation_after(team, "reset", state, lambda: None)
+    # named as AutoGen names it, so that ``load_state(state=...)`` is read too
+    _end_conversation_after(team, "load_state", state, lambda state: loaded_conversation(team, state))
 
-    async def reset(*args: Any, **kwargs: Any) -> Any:
-        result = await original_reset(*args, **kwargs)  # refused (a run in progress): the conversation goes on
+
+def _end_conversation_after(team: Any, method: str, state: TeamInstrumentation,
+                            loaded: Callable[..., LoadedConversation | None]) -> None:
+    """Wrap ``team.<method>`` (``reset``, ``load_state``): once AutoGen has done it, the team's
+    conversation is over, and ``loaded`` (given the call's arguments) says what the next run goes on
+    after. A call AutoGen refuses (a run in progress, a bad state) raises and changes nothing."""
+    original = getattr(team, method)
+
+    async def end_after(*args: Any, **kwargs: Any) -> Any:
+        result = await original(*args, **kwargs)
         try:
-            state.end_conversation()
+            state.end_conversation(loaded(*args, **kwargs))
         except Exception as exc:
             ERRORS.record("autogen session end", exc)
         return result
 
-    reset.__agentkv_original__ = original_reset  # type: ignore[attr-defined]
-    team.reset = reset
-    original_load_state = team.load_state
-
-    async def load_state(saved: Any, *args: Any, **kwargs: Any) -> Any:
-        result = await original_load_state(saved, *args, **kwargs)  # refused (running, bad state): nothing changed
-        try:
-            state.end_conversation(loaded_conversation(team, saved))
-        except Exception as exc:
-            ERRORS.record("autogen session end", exc)
-        return result
-
-    load_state.__agentkv_original__ = original_load_state  # type: ignore[attr-defined]
-    team.load_state = load_state
+    end_after.__agentkv_original__ = original  # type: ignore[attr-defined]
+    setattr(team, method, end_after)
 
 
 async def _session_stream(
