@@ -101,7 +101,6 @@ def run(mode: str, num_blocks: int, blocks: int, cycles: int, agents: int, sessi
 # (owner, method, label): what agentkv runs on the allocation path, for --parts
 PARTS: tuple[tuple[type, str, str], ...] = (
     (ScoredFreeBlockQueue, "_attach", "queue: attach freed blocks to their groups"),
-    (ScoredFreeBlockQueue, "_checked_score", "  of which: score a new group"),
     (ScoredFreeBlockQueue, "_index", "  of which: index a new group by session"),
     (ScoredFreeBlockQueue, "_push_head", "queue: heap entry of a group head"),
     (ScoredFreeBlockQueue, "_drop", "queue: drop an emptied group"),

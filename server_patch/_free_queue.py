@@ -9,8 +9,6 @@ Installed by swapping ``BlockPool.free_block_queue`` (no fork): see
 from __future__ import annotations
 
 import heapq
-import itertools
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
@@ -109,9 +107,10 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         """
         super().__init__(blocks)
         self.enabled = True
-        # Called once per pop with the popped blocks; those that still hold a hash are
-        # about to be evicted by the pool.
-        self.on_evict: Callable[[Sequence[KVCacheBlock]], None] | None = None
+        # Called once per pop with the popped blocks and their runs of (group key, count), in
+        # order (None: blocks of no group); those that still hold a hash are about to be evicted
+        # by the pool.
+        self.on_evict: Callable[[Sequence[KVCacheBlock], Sequence[tuple[K | None, int]]], None] | None = None
         self._group_of = group_of
         self._clock = clock
         self._decay = decay
@@ -211,36 +210,28 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         if moved:
             for block in moved:
                 self._detach(block)
-            self._file(((key, moved),))
+            self._file(moved, lambda block: key)
         return len(moved)
-
-    def _checked_score(self, key: K) -> float:
-        score = self._score_of(key)
-        if math.isnan(score):
-            raise ValueError(f"group score of {key!r} is NaN")
-        return score
 
     # --- FreeKVCacheBlockQueue API -------------------------------------
 
     def popleft(self) -> KVCacheBlock:
         if not self.enabled:
             block = super().popleft()
-            self._detach(block)
-            self._report_evictions((block,))
+            self._report_evictions((block,), ((self._detach(block), 1),))
             return block
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if not self.enabled:
             popped = super().popleft_n(n)
-            for block in popped:
-                self._detach(block)
-            self._report_evictions(popped)
+            self._report_evictions(popped, [(self._detach(block), 1) for block in popped])
             return popped
         if n > self.num_free_blocks:
             raise ValueError(f"Cannot pop {n} of {self.num_free_blocks} free blocks")
         head, grouped = self.fake_free_list_head, self._group_by_block
         ret: list[KVCacheBlock] = []
+        runs: list[tuple[K | None, int]] = []
         remove = super().remove
         while len(ret) < n:
             first = head.next_free_block
@@ -248,16 +239,17 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
             # The front segment is a prefix of the list: once the head is
             # grouped, only tail blocks are left and the key decides.
             if first.block_id in grouped:
-                self._pop_min_run(n - len(ret), ret)
+                runs.append(self._pop_min_run(n - len(ret), ret))
             else:
                 remove(first)
                 ret.append(first)
-        self._report_evictions(ret)
+                runs.append((None, 1))
+        self._report_evictions(ret, runs)
         return ret
 
-    def _report_evictions(self, popped: Sequence[KVCacheBlock]) -> None:
+    def _report_evictions(self, popped: Sequence[KVCacheBlock], runs: Sequence[tuple[K | None, int]]) -> None:
         if self.on_evict is not None and popped:
-            self.on_evict(popped)
+            self.on_evict(popped, runs)
 
     def remove(self, block: KVCacheBlock) -> None:
         super().remove(block)
@@ -277,45 +269,57 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
 
     def _attach(self, blocks: Sequence[KVCacheBlock]) -> None:
         if blocks:
-            self._file(itertools.groupby(blocks, self._group_of))  # a batch's blocks mostly share a group
+            self._file(blocks, self._group_of)
 
-    def _file(self, runs: Iterable[tuple[K, Iterable[KVCacheBlock]]]) -> None:
-        """Add runs of (group key, blocks) to their groups, as freed now, in order."""
+    def _file(self, blocks: Iterable[KVCacheBlock], key_of: Callable[[KVCacheBlock], K]) -> None:
+        """Add ``blocks`` to the groups ``key_of`` names, as freed now, in order."""
         # One clock read per batch: a chain freed together shares t_free, so
         # seq alone orders it (child before parent, as vLLM frees in reverse).
         base = self._decay * self._clock()
         groups, by_block = self._groups, self._group_by_block
         seq = self._seq
+        key: K | None = None
+        group: _Group[K] | None = None
+        members: OrderedDict[int, tuple[KVCacheBlock, int, float]] = OrderedDict()
         try:
-            for key, run in runs:
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = _Group(key, self._checked_score(key))
-                    if self._partition_of is not None:
-                        self._index(group)
-                members = group.blocks
-                new_head = not members
-                for block in run:
-                    seq += 1
-                    block_id = block.block_id
-                    members[block_id] = (block, seq, base)
-                    by_block[block_id] = group
-                if new_head:
-                    self._push_head(group)
+            for block in blocks:
+                block_key = key_of(block)
+                if block_key is not key and (group is None or block_key != key):  # a batch's runs share a group
+                    key = block_key
+                    group = groups.get(key)
+                    if group is None:
+                        score = self._score_of(key)
+                        if score != score:  # NaN (unequal to every score, itself included)
+                            raise ValueError(f"group score of {key!r} is NaN")
+                        group = groups[key] = _Group(key, score)
+                        if self._partition_of is not None:
+                            self._index(group)
+                    members = group.blocks
+                    if not members:  # its head is this block: the heap needs its entry
+                        seq += 1
+                        members[block.block_id] = (block, seq, base)
+                        by_block[block.block_id] = group
+                        self._push_head(group)
+                        continue
+                seq += 1
+                block_id = block.block_id
+                members[block_id] = (block, seq, base)
+                by_block[block_id] = group
         finally:
             self._seq = seq
 
-    def _detach(self, block: KVCacheBlock) -> None:
-        """Drop a block that just left the list from its group (if any)."""
+    def _detach(self, block: KVCacheBlock) -> K | None:
+        """Drop a block that just left the list from its group (if any); returns the group's key."""
         group = self._group_by_block.pop(block.block_id, None)
         if group is None:
-            return
+            return None
         was_head = next(iter(group.blocks)) == block.block_id
         del group.blocks[block.block_id]
         if not group.blocks:
             self._drop(group)
         elif was_head:
             self._push_head(group)
+        return group.key
 
     def _index(self, group: _Group[K]) -> None:
         partition = self._partition_of(group.key)  # type: ignore[misc]
@@ -351,8 +355,9 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         heapq.heapify(heap)
         self._heap = heap
 
-    def _pop_min_run(self, limit: int, out: list[KVCacheBlock]) -> None:
-        """Unlink tail blocks in eviction-key order into ``out``, at most ``limit``.
+    def _pop_min_run(self, limit: int, out: list[KVCacheBlock]) -> tuple[K, int]:
+        """Unlink tail blocks in eviction-key order into ``out``, at most ``limit``; returns their
+        group's key and how many.
 
         Takes a run from the group with the smallest key for as long as its next block
         still sorts before every other heap entry (a stale entry only ends a run early),
@@ -373,14 +378,19 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         bound = (heap[1] if size == 2 or heap[1] < heap[2] else heap[2]) if size > 1 else None
         blocks, score, by_block = group.blocks, group.score, self._group_by_block
         taken = 0
+        below = None  # the t_free term of the latest block whose key sorted below the bound's
         while blocks and taken < limit:
             block_id, entry = blocks.popitem(last=False)
-            # (key, seq) > bound's (key, seq), without building the tuple
-            if taken and bound is not None and ((key := score + entry[2]) > bound[0]
-                                                or (key == bound[0] and entry[1] > bound[1])):
-                blocks[block_id] = entry  # not this run's: back to the group's head
-                blocks.move_to_end(block_id, last=False)
-                break
+            # (key, seq) > bound's (key, seq), without building the tuple; a block freed in the same
+            # batch as one whose key sorted below the bound's shares that key (and t_free's float)
+            if bound is not None and entry[2] is not below:
+                key = score + entry[2]
+                if taken and (key > bound[0] or (key == bound[0] and entry[1] > bound[1])):
+                    blocks[block_id] = entry  # not this run's: back to the group's head
+                    blocks.move_to_end(block_id, last=False)
+                    break
+                if key < bound[0]:
+                    below = entry[2]
             del by_block[block_id]
             block = entry[0]
             # the base class's remove, inlined (a grouped block is listed)
@@ -396,6 +406,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         else:
             heapq.heappop(heap)
             self._drop(group)
+        return group.key, taken
 
 
 def _head_entry(group: _Group[K]) -> _HeapEntry[K]:

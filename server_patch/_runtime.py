@@ -236,7 +236,6 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
     def _uncached(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Blocks that lost their hash while not in use: the free ones are recycled first."""
         dropped = [block for block in blocks if block.block_hash is None and not block.is_null]
-        self.tracker.uncached(dropped)
         for queue in self.queues:
             queue.regroup(dropped, UNCACHED)
 
@@ -418,9 +417,10 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         policy is LRU, -inf once retired."""
         return self._scorer(group)
 
-    def _on_evict(self, popped: Sequence[KVCacheBlock]) -> None:
-        """Blocks the free queue handed out: those still holding a hash are being evicted."""
-        self.tracker.evicted(popped, self.facts.is_ended)
+    def _on_evict(self, popped: Sequence[KVCacheBlock], runs: Iterable[tuple[object, int]]) -> None:
+        """Blocks the free queue handed out, in runs of (group, count): those still holding a hash are
+        being evicted."""
+        self.tracker.evicted(popped, runs, self.facts.is_ended)
         if self.warmups.holding:
             for block in popped:
                 if block.block_hash is not None:
@@ -473,7 +473,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         popleft, popleft_n = queue.popleft, queue.popleft_n
 
         def report(blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
-            self._on_evict(blocks)
+            self._on_evict(blocks, ((None, len(blocks)),))
             return blocks
 
         queue.popleft = lambda: report([popleft()])[0]

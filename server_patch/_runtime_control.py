@@ -220,7 +220,9 @@ class RuntimeControl:
 
     def _build_stats(self) -> dict[str, Any]:
         table = self.table
-        blocks = self.tracker.blocks_by_agent()
+        pool = self.pool
+        blocks = self.tracker.blocks_by_agent(
+            lambda block_id: pool is not None and pool.blocks[block_id].block_hash is not None)
         chain = self.predictor.chain()
         transitions = {
             a: {b: round(float(p), 4) for b, p in zip(chain.agents, chain.matrix[i], strict=True) if p >= 0.05}

@@ -64,10 +64,11 @@ class BlockTracker:
     """Maps block_id -> eviction group for blocks cached or hit by tagged requests (and what an
     untagged request caches beyond a session's history: that history).
 
-    Invariant: an entry describes the block's current content. Newly cached blocks
-    replace whatever the id held before (``cached``); prefix hits merge into it (``hit``).
-    A block id without an entry, or a block without a hash, is untagged. Groups are
-    interned, so tracking allocates nothing per block in the steady state.
+    Invariant: the entry of a block that holds a hash describes its current content. Newly cached
+    blocks replace whatever the id held before (``cached``); prefix hits merge into it (``hit``).
+    A block id without an entry, or a block without a hash, is untagged: an evicted block's entry
+    stays (nothing reads it while the block holds no hash) until the block is cached again. Groups
+    are interned, so tracking allocates nothing per block in the steady state.
 
     ``untag_sessionless``: what a request outside any session caches or hits beyond its agent's
     anchor stays untagged instead of joining ``NO_SESSION``'s history (the floor). For a server
@@ -149,28 +150,42 @@ class BlockTracker:
             if merged is not None:
                 groups[block.block_id] = merged
 
-    def uncached(self, blocks: Iterable[_Block]) -> None:
-        """``blocks`` lost their hash without being evicted (a reset, an invalidation): forget them."""
-        groups = self._group
-        for block in blocks:
-            groups.pop(block.block_id, None)
-
     def group_of(self, block: _Block) -> Group:
         """The eviction group of a block: untagged unless tracked and still holding a hash."""
         if block.block_hash is None:
             return UNTAGGED
         return self._group.get(block.block_id, UNTAGGED)
 
-    def evicted(self, blocks: Iterable[_Block], ended: Callable[[str], bool]) -> None:
-        """``blocks`` left the free queue: those still holding a hash are evicted. Counts them by
-        class; history of sessions ``ended`` says are over counts as ``retired``."""
+    def evicted(self, blocks: Sequence[_Block], runs: Iterable[tuple[object, int]],
+                ended: Callable[[str], bool]) -> None:
+        """``blocks`` left the free queue, in ``runs`` of (group, count) in their order (None: the
+        queue knows no group for them). Those still holding a hash are evicted: counts them by class;
+        history of sessions ``ended`` says are over counts as ``retired``.
+
+        Every block of an anchor's or a history's run holds a hash (the queue files a free block
+        whose hash is dropped as uncached), so such a run counts whole, without reading its blocks.
+        Entries stay: the pool drops an evicted block's hash, which is all ``group_of`` and
+        ``blocks_by_agent`` go by, and the block's next caching replaces its entry."""
+        evictions = self.evictions
+        start = 0
+        for group, count in runs:
+            if type(group) is History:
+                evictions["retired" if ended(group.session) else "history"] += count
+            elif type(group) is Anchor:
+                evictions["anchor"] += count
+            else:
+                self._classify_evicted(blocks[start:start + count], ended)
+            start += count
+
+    def _classify_evicted(self, blocks: Iterable[_Block], ended: Callable[[str], bool]) -> None:
+        """Count the evicted ones of ``blocks`` by their tracked groups."""
         groups, evictions = self._group, self.evictions
         previous: Anchor | History | None = None
         kind, run = "untagged", 0
         for block in blocks:
             if block.block_hash is None:
                 continue
-            group = groups.pop(block.block_id, None)
+            group = groups.get(block.block_id)
             if group is not previous:  # runs of blocks share one (interned) group: classify once per run
                 if run:
                     evictions[kind] += run
@@ -185,10 +200,12 @@ class BlockTracker:
         if run:
             evictions[kind] += run
 
-    def blocks_by_agent(self) -> dict[str, Counter[str]]:
-        """Per agent, how many tracked blocks are anchors and how many history."""
+    def blocks_by_agent(self, holds_hash: Callable[[int], bool]) -> dict[str, Counter[str]]:
+        """Per agent, how many tracked blocks are anchors and how many history, of those whose block
+        ``holds_hash`` (by id; an evicted block's entry stays until the block is cached again)."""
         table: dict[str, Counter[str]] = {}
-        for group, count in Counter(self._group.values()).items():  # one pass per distinct (interned) group
+        cached = Counter(group for block_id, group in self._group.items() if holds_hash(block_id))
+        for group, count in cached.items():  # one pass per distinct (interned) group
             kind = _kind(group)
             for agent in group.agents:
                 counts = table.get(agent)
@@ -196,9 +213,6 @@ class BlockTracker:
                     counts = table[agent] = Counter()
                 counts[kind] += count
         return table
-
-    def __len__(self) -> int:
-        return len(self._group)
 
 
 def _kind(group: Anchor | History) -> str:

@@ -472,7 +472,8 @@ def test_nan_score_is_refused_and_evictions_are_reported_once_per_pop() -> None:
     clock, tags = Clock(), Tags()
     queue = install(manager, tags, clock)
     reports: list[list[int]] = []
-    queue.on_evict = lambda blocks: reports.append([b.block_id for b in blocks])
+    runs: list[list[tuple[object, int]]] = []
+    queue.on_evict = lambda blocks, groups: (reports.append([b.block_id for b in blocks]), runs.append(list(groups)))
     for rid, start in (("a", 0), ("b", 1000)):
         req = make_request(rid, toks(start, 3))
         result = allocate(manager, req)
@@ -485,6 +486,7 @@ def test_nan_score_is_refused_and_evictions_are_reported_once_per_pop() -> None:
     assert reports == [[1, 2, 3], [4, 5, 6]]  # the allocations' pops
     assert [b.block_id for b in queue.popleft_n(5)] == [7, 8, 6, 5, 4]
     assert reports[2:] == [[7, 8, 6, 5, 4]]  # one call with every popped block, cached or not
+    assert runs[2:] == [[(None, 1), (None, 1), ("b", 3)]]  # with their groups' runs (none: front segment)
 
 
 # --- property test: scored pop order against a brute-force reference ---------------

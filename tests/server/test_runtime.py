@@ -296,7 +296,7 @@ def test_tracker_merges_and_classifies_runs_like_single_blocks():
     """Runs of blocks share a group (one merge, one classification per run); mixed runs stay exact."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from agentkv.graph import UNTAGGED, Anchor
+    from agentkv.graph import UNTAGGED, Anchor, History
     from server_patch._tracker import BlockTracker, merge_group
 
     tracker = BlockTracker()
@@ -313,11 +313,16 @@ def test_tracker_merges_and_classifies_runs_like_single_blocks():
         block.set_block_hash(b"h")  # type: ignore[arg-type]  # only hashed blocks have a group
     assert tracker.group_of(blocks[9]) is UNTAGGED and tracker.group_of(blocks[0]) == expected[0]
     tracker.cached(blocks, 8, 10, AgentTag("writer", "s3"), 0)  # 8-9: history of s3, which ended
-    tracker.evicted([blocks[i] for i in (0, 8, 9, 1, 5)], lambda session: session == "s3")
+    ended = lambda session: session == "s3"  # noqa: E731
+    tracker.evicted([blocks[i] for i in (0, 8, 9, 1, 5)], [(None, 5)], ended)  # of no known group: looked up
     untracked, hashless = KVCacheBlock(42), KVCacheBlock(43)
     untracked.set_block_hash(b"u")  # type: ignore[arg-type]
-    tracker.evicted([untracked, hashless], lambda session: False)  # a block without a hash is not evicted
+    tracker.evicted([untracked, hashless], [(UNTAGGED, 2)], ended)  # a block without a hash is not evicted
     assert tracker.evictions == {"anchor": 3, "retired": 2, "untagged": 1}
+    # a run of a known anchor or history counts whole by its group; untagged ones are looked up
+    tracker.evicted([blocks[6], blocks[0], blocks[1], untracked], [(History("s3", frozenset({"writer"})), 1),
+                                                                 (expected[0], 2), (UNTAGGED, 1)], ended)
+    assert tracker.evictions == {"anchor": 5, "retired": 3, "untagged": 2}
 
 
 def test_what_a_call_outside_any_session_caches_beyond_its_anchor_is_history_until_a_second_call_hits_it():

@@ -31,13 +31,18 @@ def test_stats_are_reused_briefly_and_rebuilt_after_events_or_expiry(monkeypatch
     assert runtime.stats()["learner"]["peers"] == {"peer": 1}  # ... and so is a merge
 
 
-def test_blocks_by_agent_counts_every_tracked_block():
+def test_blocks_by_agent_counts_every_tracked_block_that_holds_a_hash():
     tracker = BlockTracker()
     planner, coder = [KVCacheBlock(i) for i in (10, 11, 12)], [KVCacheBlock(i) for i in (20, 21)]
     tracker.cached(planner, 0, 3, AgentTag("planner", "s1"), 2)
     tracker.cached(coder, 0, 2, AgentTag("coder", "s2"), 1)
     tracker.hit(planner[:2], AgentTag("coder", "s2"), 2)  # planner's anchor now shared with coder
-    assert tracker.blocks_by_agent() == {
+    assert tracker.blocks_by_agent(lambda block_id: True) == {
         "planner": Counter({"anchor": 2, "history": 1}),
         "coder": Counter({"anchor": 3, "history": 1}),
+    }
+    # evicted (the pool dropped the hash): its entry stays, uncounted, until the block is cached again
+    assert tracker.blocks_by_agent(lambda block_id: block_id != 21) == {
+        "planner": Counter({"anchor": 2, "history": 1}),
+        "coder": Counter({"anchor": 3}),
     }
