@@ -41,7 +41,7 @@ from ._rows import OTHER, tracked
 from ._runtime_control import PEER_WEIGHT_FLOOR, STATS_MAX_AGE, RuntimeControl
 from ._tagging import RequestTagging
 from ._trace import RequestTrace
-from ._tracker import AnchorLengths, BlockTracker
+from ._tracker import CONVERSATION_PREFIX, AnchorLengths, BlockTracker
 from ._warmups import WarmupLedger
 
 __all__ = ["OTHER", "PEER_WEIGHT_FLOOR", "STATS_MAX_AGE", "AgentKVRuntime", "RuntimeConfig"]
@@ -65,8 +65,10 @@ _STALENESS = 0.25
 
 
 def _session_of(group: Hashable) -> str | None:
-    """The queue's partition of a group: a history group's session (its scores move together)."""
-    return group.session if type(group) is History else None  # type: ignore[attr-defined]
+    """The queue's partition of a group: a history group's session (its scores move together; the
+    conversations of calls outside any session share one: their agents' calls move them all)."""
+    session: str | None = group.session if type(group) is History else None  # type: ignore[attr-defined]
+    return CONVERSATION_PREFIX if session and session.startswith(CONVERSATION_PREFIX) else session
 
 
 class AgentKVRuntime(RequestTagging, RuntimeControl):
@@ -156,7 +158,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             tag = self.tag_of(request)
             block_size = kwargs.get("block_size", args[0] if args else self.block_size)
             self.tracker.cached(blocks, num_cached_blocks, num_full_blocks, tag,
-                                0 if tag is None else self._anchor_blocks(tag.agent, block_size))
+                                0 if tag is None else self._anchor_blocks(tag.agent, block_size),
+                                self._conversation(request, tag))
 
         get_computed_blocks = manager.get_computed_blocks
 
@@ -166,7 +169,8 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             tag = self.tag_of(request)
             if tag is not None and result[1] > 0:
                 for blocks, block_size in zip(result[0].blocks, group_block_sizes, strict=False):
-                    self.tracker.hit(blocks, tag, self._anchor_blocks(tag.agent, block_size))
+                    self.tracker.hit(blocks, tag, self._anchor_blocks(tag.agent, block_size),
+                                     self._conversation(request, tag))
             return result
 
         record_prefix_cache_stats = manager.record_prefix_cache_stats
@@ -233,6 +237,12 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         """How many of a KV-cache group's blocks (of ``block_size`` tokens) ``agent``'s anchor fills."""
         return self.anchors.length(agent) // max(1, block_size // self.block_size)
 
+    def _conversation(self, request: Request, tag: AgentTag | None) -> str | None:
+        """Without recognition, a call outside any session caches beyond its anchor a conversation of its own."""
+        if self.config.recognize or tag is None or tag.session is not None or tag.warmup:
+            return None
+        return CONVERSATION_PREFIX + request.request_id
+
     def _uncached(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Blocks that lost their hash while not in use: the free ones are recycled first."""
         dropped = [block for block in blocks if block.block_hash is None and not block.is_null]
@@ -260,7 +270,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         if tag is None:
             return
         self.tagged_requests += 1
-        self.anchors.observe(tag.agent, tag.session, request.block_hashes)
+        self.anchors.observe(tag.agent, tag.session, request.block_hashes, self._conversation(request, tag))
         step = tag.step
         if tag.session is not None and not tag.warmup:  # a warm-up starts and continues no session
             if step is None:  # a client that sends no step: one agent's consecutive calls are one dispatch
@@ -322,11 +332,13 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         else:
             if changed is not None:
                 moved = table.changed_sessions(self._scored_table) if self._scored_table is not None else None
-                changed = None if moved is None else moved | changed
+                aging = set() if self.config.recognize else {CONVERSATION_PREFIX}  # conversations age with each call
+                changed = None if moved is None else moved | changed | aging
             # a live view's membership test, in C: it runs for every history group re-scored
             self._scorer = table.scorer(retired=self.facts.ended.keys().__contains__, retired_score=_RETIRED,
                                         current=self.timing.agent_of, untagged_under_anchors=not self.config.recognize,
-                                        in_resolutions=True)  # AGENTKV_DECAY is per resolution
+                                        in_resolutions=True,  # AGENTKV_DECAY is per resolution
+                                        continuation=None if self.config.recognize else self.anchors.continuation)
         self._scored_policy = scored
         self._scored_table = table if policy != "lru" else None
         for queue in self.queues:

@@ -10,7 +10,7 @@ from typing import Protocol
 from agentkv.graph import UNTAGGED, Anchor, Group, History, LearnerConfig
 from agentkv.protocol import AgentTag
 
-__all__ = ["NO_SESSION", "AnchorLengths", "BlockTracker", "merge_group"]
+__all__ = ["CONVERSATION_PREFIX", "NO_SESSION", "AnchorLengths", "BlockTracker", "merge_group"]
 
 # every agent the model can know: a block shared by more agents than its group names could score
 # below a child of an agent left out, and lose a chain its parent before its children
@@ -19,6 +19,9 @@ _MAX_INTERNED = 100_000
 # The session of what a request outside any session caches beyond its agent's anchor: no session
 # id is empty, so none is ever live under it and the model scores it at the floor.
 NO_SESSION = ""
+# Without recognition, what a call outside any session caches beyond its agent's anchor is history of
+# a conversation of its own, "#<n>": no session id has a "#", so none is ever live under it.
+CONVERSATION_PREFIX = "#"
 
 
 class _Block(Protocol):
@@ -42,7 +45,7 @@ def merge_group(group: Anchor | History | None, tag: AgentTag, in_anchor: bool) 
     sessions (or of none); otherwise it is its one session's *history*. What a request
     outside any session caches beyond the anchor is history of ``NO_SESSION``: only a repeat
     of the same prompt would reuse it (a warm-up holds nothing but an anchor; without
-    recognition the tracker leaves it untagged instead, ``BlockTracker.untag_sessionless``). Blocks in one
+    recognition it is the call's own conversation instead, ``BlockTracker.untag_sessionless``). Blocks in one
     group share a survival probability; a block shared by several agents keeps them all (up
     to every agent the model can know) and is scored by them all (an anchor by the first use of
     any, a history by its best).
@@ -71,9 +74,11 @@ class BlockTracker:
     are interned, so tracking allocates nothing per block in the steady state.
 
     ``untag_sessionless``: what a request outside any session caches or hits beyond its agent's
-    anchor stays untagged instead of joining ``NO_SESSION``'s history (the floor). For a server
-    without recognition: nothing there tells a one-off query from a conversation its agent's next
-    call continues, and at the floor a conversation's newest turn went first.
+    anchor never joins ``NO_SESSION``'s history (the floor) or an anchor. For a server without
+    recognition: nothing there tells a one-off query from a conversation its agent's next call
+    continues, and at the floor a conversation's newest turn went first. A call given a
+    ``conversation`` (``AnchorLengths.continuation`` values it) files those blocks as that history,
+    and takes over the blocks of earlier conversations it continues; without one they stay untagged.
     """
 
     def __init__(self, *, untag_sessionless: bool = False) -> None:
@@ -92,7 +97,7 @@ class BlockTracker:
         return merged
 
     def cached(self, blocks: Sequence[_Block], start: int, end: int, tag: AgentTag | None,
-               anchor_blocks: int) -> None:
+               anchor_blocks: int, conversation: str | None = None) -> None:
         """A request's ``blocks[start:end]`` were newly cached (at those positions of its prompt)."""
         groups = self._group
         if tag is None:
@@ -117,11 +122,11 @@ class BlockTracker:
             block = blocks[position]
             if not block.is_null:
                 groups[block.block_id] = anchor
-        if self._untagged_beyond_anchor(tag):
+        if self._untagged_beyond_anchor(tag) and conversation is None:
             for position in range(split, end):
                 groups.pop(blocks[position].block_id, None)
             return
-        history = self._merge(None, tag, False)
+        history = self._merge(None, tag, False) if conversation is None else self._conversation(conversation, tag)
         for position in range(split, end):
             block = blocks[position]
             if not block.is_null:
@@ -130,7 +135,12 @@ class BlockTracker:
     def _untagged_beyond_anchor(self, tag: AgentTag) -> bool:
         return self.untag_sessionless and tag.session is None and not tag.warmup
 
-    def hit(self, blocks: Iterable[_Block], tag: AgentTag, anchor_blocks: int) -> None:
+    def _conversation(self, conversation: str, tag: AgentTag, joined: frozenset[str] = frozenset()) -> History:
+        """The history group of ``tag``'s call in its ``conversation``, with the agents of what it continues."""
+        agents = joined if tag.agent in joined or len(joined) >= _MAX_AGENTS_PER_BLOCK else joined | {tag.agent}
+        return History(conversation, agents)
+
+    def hit(self, blocks: Iterable[_Block], tag: AgentTag, anchor_blocks: int, conversation: str | None = None) -> None:
         """A request found ``blocks`` (its prompt's leading blocks, in order) in the prefix cache."""
         groups = self._group
         previous: Anchor | History | None = None
@@ -146,7 +156,12 @@ class BlockTracker:
             # runs of blocks share one (interned) group: merge once per run
             if fresh or group is not previous or inside is not in_anchor:
                 previous, in_anchor, fresh = group, inside, False
-                merged = None if untagged and group is None and not inside else self._merge(group, tag, inside)
+                if untagged and not inside and (group is None or _is_conversation(group)):
+                    # untagged stays so; an earlier conversation continued is now this call's
+                    merged = None if group is None or conversation is None else \
+                        self._conversation(conversation, tag, group.agents)
+                else:
+                    merged = self._merge(group, tag, inside)
             if merged is not None:
                 groups[block.block_id] = merged
 
@@ -215,6 +230,10 @@ class BlockTracker:
         return table
 
 
+def _is_conversation(group: Anchor | History) -> bool:
+    return type(group) is History and group.session.startswith(CONVERSATION_PREFIX)
+
+
 def _kind(group: Anchor | History) -> str:
     return "anchor" if type(group) is Anchor else "history"
 
@@ -241,11 +260,20 @@ class AnchorLengths:
     but an agent whose pairs agreed on none (two measurements of 0: no anchor, or two apps calling
     agents of one name) grows one as a stretch does, once four of the last five pairs share it.
     At most ``max_agents`` agents are remembered; the least recently observed one is forgotten first.
+
+    The same comparison tells which of those calls a call continues (the one it shares most beyond
+    the anchor with; none if it shares no more than the anchor): per agent, how often its next call
+    continues the conversation of its k-th latest call, what ``continuation`` values that
+    conversation's history by (a server without recognition, which sees no session to value it by).
     """
 
     def __init__(self, max_blocks: int = 1024, max_agents: int = 1024, window: int = 4, agreement: int = 5) -> None:
         self._last: OrderedDict[str, tuple[str | None, Sequence[object]]] = OrderedDict()
         self._sessionless: dict[str, deque[Sequence[object]]] = {}  # the agent's latest calls without a session
+        self._conversations: dict[str, deque[str | None]] = {}  # and their conversations (None: not given)
+        self._owner: dict[str, str] = {}  # the conversations in those windows -> their agents
+        # per agent: its calls measured against its window ([0]) and those that continued its k-th latest call ([k])
+        self._continued: dict[str, list[int]] = {}
         self._measured: dict[str, deque[int]] = {}  # the agent's latest measurements, newest last
         self._length: dict[str, int] = {}  # their second smallest, kept: read for every cached run of blocks
         self._max_blocks = max_blocks
@@ -253,7 +281,10 @@ class AnchorLengths:
         self._window = window
         self._agreement = agreement
 
-    def observe(self, agent: str, session: str | None, block_hashes: Sequence[object]) -> None:
+    def observe(self, agent: str, session: str | None, block_hashes: Sequence[object],
+                conversation: str | None = None) -> None:
+        """One call of ``agent``; ``conversation`` names what a call outside any session caches
+        beyond the anchor (``BlockTracker.cached``), if it is to be valued by ``continuation``."""
         hashes = list(block_hashes[: self._max_blocks])  # one copy, kept by _last and the window alike
         previous = self._last.get(agent)
         if session is None:
@@ -261,8 +292,11 @@ class AnchorLengths:
             if previous is not None:
                 # the latest call is already in the window when it too named no session
                 others = recent if recent and recent[-1] is previous[1] else [*recent, previous[1]]
-                self._measure(agent, min((n for other in others if (n := _common_prefix(hashes, other))), default=0))
+                shared = [_common_prefix(hashes, other) for other in others]
+                self._measure(agent, min((n for n in shared if n), default=0))
+                self._count_continued(agent, shared[:len(recent)])
             recent.append(hashes)
+            self._enter_window(agent, conversation)
         elif previous is not None and previous[0] != session:
             self._measure(agent, _common_prefix(hashes, previous[1]))
         if previous is None or session is None or previous[0] != session:
@@ -273,6 +307,9 @@ class AnchorLengths:
             self._length.pop(forgotten, None)
             self._measured.pop(forgotten, None)
             self._sessionless.pop(forgotten, None)
+            self._continued.pop(forgotten, None)
+            for dropped in self._conversations.pop(forgotten, ()):
+                self._owner.pop(dropped, None)  # type: ignore[arg-type]
 
     def _measure(self, agent: str, length: int) -> None:
         measured = self._measured.setdefault(agent, deque(maxlen=self._agreement))
@@ -282,6 +319,36 @@ class AnchorLengths:
         # the second smallest: one measurement across a changed prompt (the first after it, which
         # may find no change when nothing was learned yet) does not hold the anchor down either
         self._length[agent] = sorted(measured)[min(1, len(measured) - 1)]
+
+    def _count_continued(self, agent: str, shared: Sequence[int]) -> None:
+        """A call without a session shared ``shared`` blocks with each of its agent's window, oldest first."""
+        counts = self._continued.setdefault(agent, [0] * (self._window + 1))
+        counts[0] += 1
+        beyond = [(n, position) for position, n in enumerate(shared) if n > self._length[agent]]
+        if beyond:
+            _, position = max(beyond)  # the longest shared, the newest among equals
+            counts[len(shared) - position] += 1
+
+    def _enter_window(self, agent: str, conversation: str | None) -> None:
+        window = self._conversations.setdefault(agent, deque(maxlen=self._window))
+        if len(window) == window.maxlen and (dropped := window[0]) is not None:
+            self._owner.pop(dropped, None)
+        window.append(conversation)
+        if conversation is not None:
+            self._owner[conversation] = agent
+
+    def continuation(self, session: str) -> float | None:
+        """The chance that the next call of its agent continues ``session``'s conversation, when it
+        is one (None: a session): the share of the agent's calls that continued the call as old as it
+        is (its k-th latest), 0 once k calls of the agent came after it or while nothing was measured."""
+        if not session.startswith(CONVERSATION_PREFIX):
+            return None
+        agent = self._owner.get(session)
+        if agent is None or not (counts := self._continued.get(agent)) or not counts[0]:
+            return 0.0
+        window = self._conversations[agent]
+        age = len(window) - next(i for i in range(len(window) - 1, -1, -1) if window[i] == session)
+        return counts[age] / counts[0]
 
     def length(self, agent: str) -> int:
         return self._length.get(agent, 0)

@@ -179,11 +179,14 @@ class ReuseTable:
                retired_score: float = -math.inf,
                current: Callable[[str], str | None] | None = None,
                untagged_under_anchors: bool = False,
-               in_resolutions: bool = False) -> Callable[[Group], float]:
+               in_resolutions: bool = False,
+               continuation: Callable[[str], float | None] | None = None) -> Callable[[Group], float]:
         """A fast ``score`` for the eviction path; sessions that ``retired(session)`` says are
         over score ``retired_score`` (a fact outranks the model, also while it is not predictable).
         ``untagged_under_anchors``: untagged blocks score at most the lowest anchor above the floor
-        (see ``_untagged_score``).
+        (see ``_untagged_score``). ``continuation(session)``: the chance that a conversation's
+        agent continues it with its next call (None: a session): its history scores that share of
+        the agent's anchor, never below an untagged block (it is one no session is known for).
 
         ``in_resolutions``: every other score is multiplied by ``time_unit`` (the time resolution, in
         seconds), so that a recency term ``decay * t`` added to it (the free queue's key) counts time
@@ -217,6 +220,19 @@ class ReuseTable:
         session_agents: list[int] = self.session_agents.tolist()
         untagged: list[float] = []  # computed on the first untagged group (a median is costly)
         columns: dict[frozenset[str], tuple[int, ...]] = {}
+        conversations: dict[tuple[frozenset[str], float], float] = {}
+
+        def untagged_score() -> float:
+            if not untagged:
+                untagged.append(self._untagged_score(untagged_under_anchors) * unit)
+            return untagged[0]
+
+        def conversation_score(agents: frozenset[str], share: float) -> float:
+            found = columns.get(agents) or columns_of(agents)
+            rate = share * max((anchor_rates[i] for i in found), default=0.0)
+            score = conversations[agents, share] = max(
+                untagged_score(), math.floor(math.log(rate + _FLOOR) * _STEPS) / _STEPS * unit)
+            return score
 
         def columns_of(agents: frozenset[str]) -> tuple[int, ...]:
             found = columns[agents] = tuple(i for a in agents if (i := index.get(a)) is not None)
@@ -228,6 +244,9 @@ class ReuseTable:
             kind = type(group)
             if kind is History:
                 session = group.session  # type: ignore[union-attr]
+                if continuation is not None and (share := continuation(session)) is not None:
+                    agents = group.agents  # type: ignore[union-attr]
+                    return conversations.get((agents, share)) or conversation_score(agents, share)
                 if retired is not None and retired(session):
                     return retired_score
                 row = sessions.get(session)
@@ -256,9 +275,7 @@ class ReuseTable:
                 return math.floor(math.log(combined + _FLOOR) * _STEPS) / _STEPS * unit
             if kind is Uncached:
                 return -math.inf
-            if not untagged:
-                untagged.append(self._untagged_score(untagged_under_anchors) * unit)
-            return untagged[0]
+            return untagged_score()
 
         return score
 

@@ -566,6 +566,23 @@ def test_untagged_blocks_can_be_kept_under_every_anchor_the_model_expects_a_use_
     assert table.scorer(untagged_under_anchors=True)(UNTAGGED) == anchors["a"]  # met in recency order
 
 
+def test_a_conversation_scores_the_share_of_its_agents_anchor_its_continuation_is_and_no_less_than_untagged():
+    """Without recognition, the history of a call outside any session (a conversation) is valued by
+    the chance that its agent's next call continues it: that share of the agent's anchor, never
+    below an untagged block; a session's history is scored as before."""
+    learner, facts, timing = _ending_at_b()
+    table = score_reuse(Predictor(learner, facts).chain(), timing.table(), [("s", "a", 100.0)], now=100.5,
+                        session_start_rate=0.05, continuation={}, interposed=None,
+                        predictability=learner.predictability(), gap_count=timing.gaps, config=ReuseConfig())
+    shares = {"#likely": 0.5, "#never": 0.0}
+    score = table.scorer(untagged_under_anchors=True, continuation=shares.get)
+    b = frozenset("b")
+    likely = math.floor(math.log(0.5 * table.anchor_rate[table.index["b"]] + 1e-9) * 20) / 20
+    assert score(History("#likely", b)) == likely > score(UNTAGGED)
+    assert score(History("#never", b)) == score(UNTAGGED)
+    assert score(History("s", b)) == table.score(History("s", b))  # continuation None: a session
+
+
 def test_a_declared_graph_keeps_the_learned_chance_of_ending_after_an_agent():
     """The declared graph bounds where a session goes next, not whether it stops: b's row keeps
     its learned ending share (half the sessions end after b), only b -> a is ruled out."""

@@ -353,6 +353,78 @@ def test_what_a_call_outside_any_session_caches_beyond_its_anchor_is_history_unt
     assert [untagging._group[i] for i in range(6)] == [Anchor(summarizer)] * 6
 
 
+def test_without_recognition_a_call_that_continues_a_conversation_takes_it_over():
+    """Without recognition, what a call outside any session caches beyond its anchor is its own
+    conversation; its agent's next call that continues it takes over the blocks it hits (they are
+    that call's conversation now), and what it does not hit stays the earlier call's."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from agentkv.graph import Anchor
+    from server_patch._tracker import BlockTracker
+
+    tracker = BlockTracker(untag_sessionless=True)
+    blocks = [KVCacheBlock(i) for i in range(8)]
+    chat = frozenset({"chat"})
+    tracker.cached(blocks, 0, 6, AgentTag("chat"), 2, "#r1")  # 0-1 its anchor, 2-5 its conversation
+    assert [tracker._group[i] for i in range(6)] == [Anchor(chat)] * 2 + [History("#r1", chat)] * 4
+    turn = blocks[:4] + blocks[6:]  # the next turn goes on from the first four blocks
+    tracker.hit(turn[:4], AgentTag("chat"), 2, "#r2")
+    tracker.cached(turn, 4, 6, AgentTag("chat"), 2, "#r2")
+    assert [tracker._group[i] for i in range(8)] == [Anchor(chat)] * 2 + [History("#r2", chat)] * 2 + \
+        [History("#r1", chat)] * 2 + [History("#r2", chat)] * 2
+    tracker.cached(blocks, 0, 6, AgentTag("chat", warmup=True), 2)  # a warm-up holds only an anchor
+    assert [tracker._group[i] for i in range(6)] == [Anchor(chat)] * 6
+
+
+def test_a_conversation_is_valued_by_how_often_its_agent_continues_one_as_old():
+    """The chance that an agent's next call continues a conversation is the share of its calls that
+    continued the call as many calls back (the one they share most beyond the anchor with); out of
+    the window of the agent's last four calls it is 0, and a session is no conversation."""
+    from server_patch._tracker import AnchorLengths
+
+    anchors = AnchorLengths()
+    anchors.observe("chat", None, [1, 2, 10], "#a")
+    anchors.observe("chat", None, [1, 2, 20], "#b")  # a new conversation: the anchor is [1, 2]
+    anchors.observe("chat", None, [1, 2, 10, 11], "#c")  # goes on with #a, two calls back
+    anchors.observe("chat", None, [1, 2, 10, 11, 12], "#d")  # with #c, the latest (it shares #a's too)
+    assert anchors.length("chat") == 2
+    assert [anchors.continuation(c) for c in ("#d", "#c", "#b", "#a")] == [1 / 3, 1 / 3, 0.0, 0.0]
+    anchors.observe("chat", None, [1, 2, 30], "#e")
+    assert anchors.continuation("#e") == anchors.continuation("#d") == 1 / 4  # #d is the second latest now
+    assert anchors.continuation("#a") == 0.0 and anchors.continuation("s1") is None
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_without_recognition_the_conversation_an_agent_keeps_continuing_outlasts_anchors_of_agents_called_less(
+        enabled):
+    """Calls tagged with their agent alone, recognition off: each turn of a chat agent continues its
+    latest conversation (six turns each), and between turns four tool agents are called in turn,
+    each with a query of its own. Untagged, the conversation scored below the tool agents' anchors
+    (each used every fourth turn) and its older part was evicted for them (1,056 of the 3,840
+    tokens the turns could reuse were hit); valued by how often the chat agent continues its latest
+    call, it is kept, as under LRU."""
+    clock = [0.0]
+    kv = manager(33)
+    runtime = AgentKVRuntime(RuntimeConfig(enabled=enabled, recognize=False), clock=lambda: clock[0])
+    runtime.install(kv)
+    chat = list(range(60_000, 60_000 + ANCHOR_BLOCKS * BS))
+    tools = [list(range(70_000 + 1000 * i, 70_000 + 1000 * i + ANCHOR_BLOCKS * BS)) for i in range(4)]
+    continued = reusable = tool_hits = 0
+    for turn in range(48):
+        start = 200_000 + turn // 6 * 10_000
+        conversation = list(range(start, start + (turn % 6 + 1) * 2 * BS))
+        hit = run(kv, runtime, request(chat + conversation + [7], AgentTag("chat")))
+        if turn % 6:
+            continued += hit - len(chat)
+            reusable += turn % 6 * 2 * BS
+        clock[0] += 1.0
+        query = list(range(500_000 + turn * 1000, 500_000 + turn * 1000 + 8 * BS))
+        tool_hits += run(kv, runtime, request(tools[turn % 4] + query + [7], AgentTag(f"tool{turn % 4}")))
+        clock[0] += 1.0
+    assert continued == reusable == 3840
+    assert (tool_hits > 0) == enabled  # LRU cycles the tools' anchors out; the model keeps one now and then
+
+
 def _coder_anchor_lengths(task_order: list[int]) -> list[int]:
     """The coder's learned anchor after each session's call, on a real KVCacheManager: session s
     opens with task ``task_order[s]`` (of four) after the anchor, then two blocks of its own."""

@@ -1,6 +1,7 @@
 """Conversations tagged with their agent alone on a real ``agentkv serve`` with recognition off:
 nothing there tells a one-off query from a conversation, so what a call caches beyond its agent's
-anchor is ranked as untagged blocks are (in recency order), not as history of no session."""
+anchor is a conversation of its own, valued by how often its agent continues one (never below
+untagged blocks), not history of no session (the floor)."""
 
 from __future__ import annotations
 
@@ -53,14 +54,14 @@ def _replay(base_url: str) -> int:
         return sum(cached_tokens(client, prompt, {"X-AgentKV-Agent": agent}) for agent, prompt in _turns())
 
 
-def test_conversations_that_name_their_agent_alone_are_evicted_as_untagged(vanilla_server, unrecognizing_server):
+def test_conversations_that_name_their_agent_alone_are_evicted_as_their_own(vanilla_server, unrecognizing_server):
     snapshot = StatsSnapshot.take(unrecognizing_server.base_url)
     vanilla, agentkv = _replay(vanilla_server.base_url), _replay(unrecognizing_server.base_url)
     stats = snapshot.now()
     print(f"\ncached tokens: vanilla {vanilla}, agentkv {agentkv}; evictions {stats['evictions']}")
     assert stats["recognition"] is None and stats["policy"] == "survival"
-    # the conversations' blocks leave as untagged ones, none as a session's history (the floor)
-    assert snapshot.delta("evictions", "untagged", now=stats) > 0
-    assert snapshot.delta("evictions", "history", now=stats) == 0
-    # 14,208 tokens each; before session 18 agentkv 13,792, 24 history and 6 anchor blocks evicted
+    # the conversations' blocks leave as their own conversations' history (untagged from session 18 to 43)
+    assert snapshot.delta("evictions", "history", now=stats) > 0
+    assert snapshot.delta("evictions", "untagged", now=stats) == 0
+    # 14,208 tokens each; before session 18 (at the floor) agentkv 13,792, 24 history and 6 anchor blocks evicted
     assert agentkv >= vanilla - 2 * BLOCK
