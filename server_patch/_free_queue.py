@@ -34,13 +34,16 @@ _HEAP_SLACK = 64
 class _Group(Generic[K]):
     """Free tail-segment blocks of one group, FIFO by append sequence."""
 
-    __slots__ = ("blocks", "key", "score")
+    __slots__ = ("blocks", "index", "key", "partition", "score")
 
     def __init__(self, key: K, score: float) -> None:
         self.key = key
         self.score = score
         # block_id -> (block, seq, decay * t_free); insertion order == seq order.
         self.blocks: OrderedDict[int, tuple[KVCacheBlock, int, float]] = OrderedDict()
+        # with partitions: the group's partition and the index it is in (its partition's or the unpartitioned)
+        self.partition: Hashable | None = None
+        self.index: dict[K, _Group[K]] | None = None
 
 
 # (eviction key, seq of the group head it was computed for, group)
@@ -322,25 +325,19 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         return group.key
 
     def _index(self, group: _Group[K]) -> None:
-        partition = self._partition_of(group.key)  # type: ignore[misc]
-        if partition is None:
-            self._unpartitioned[group.key] = group
-        else:
-            self._partitions.setdefault(partition, {})[group.key] = group
+        partition = group.partition = self._partition_of(group.key)  # type: ignore[misc]
+        index = group.index = self._unpartitioned if partition is None else self._partitions.setdefault(partition, {})
+        index[group.key] = group
 
     def _drop(self, group: _Group[K]) -> None:
         """Forget a group that just lost its last block."""
         del self._groups[group.key]
-        if self._partition_of is None:
+        index = group.index
+        if index is None:
             return
-        partition = self._partition_of(group.key)
-        if partition is None:
-            del self._unpartitioned[group.key]
-            return
-        members = self._partitions[partition]
-        del members[group.key]
-        if not members:
-            del self._partitions[partition]
+        del index[group.key]
+        if not index and group.partition is not None:
+            del self._partitions[group.partition]
 
     def _push_head(self, group: _Group[K]) -> None:
         heapq.heappush(self._heap, _head_entry(group))
