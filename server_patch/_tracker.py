@@ -117,18 +117,19 @@ class BlockTracker:
             return
         # a new block's group depends only on whether it lies in the anchor: two groups per request
         split = min(max(start, anchor_blocks), end)
-        anchor = self._merge(None, tag, True)
-        for position in range(start, split):
-            block = blocks[position]
-            if not block.is_null:
-                groups[block.block_id] = anchor
+        if split > start:
+            anchor = self._merge(None, tag, True)
+            for block in blocks[start:split]:
+                if not block.is_null:
+                    groups[block.block_id] = anchor
+        if split == end:
+            return
         if self._untagged_beyond_anchor(tag) and conversation is None:
-            for position in range(split, end):
-                groups.pop(blocks[position].block_id, None)
+            for block in blocks[split:end]:
+                groups.pop(block.block_id, None)
             return
         history = self._merge(None, tag, False) if conversation is None else self._conversation(conversation, tag)
-        for position in range(split, end):
-            block = blocks[position]
+        for block in blocks[split:end]:
             if not block.is_null:
                 groups[block.block_id] = history
 

@@ -263,7 +263,8 @@ class ReuseTable:
                     moved_logs = dispatched_logs.get(at)
                     if moved_logs is None:
                         moved_logs = dispatched_logs[at] = self._dispatched_quantized(at) * unit
-                    moved = max((moved_logs.item(i) for i in found), default=floor)
+                    moved = moved_logs.item(found[0]) if len(found) == 1 else max(
+                        (moved_logs.item(i) for i in found), default=floor)
                     return moved if row is None else min(moved, own)  # type: ignore[no-any-return]
                 return own  # type: ignore[no-any-return]
             if kind is Anchor:

@@ -15,7 +15,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request, RequestStatus
 
 from agentkv.bench.kv_manager import make_manager, serve_once
-from agentkv.graph import History, ReuseConfig
+from agentkv.graph import UNTAGGED, History, ReuseConfig
 from agentkv.protocol import STATS_SCHEMA, AgentTag
 from server_patch._runtime import AgentKVRuntime, RuntimeConfig
 
@@ -100,6 +100,28 @@ def test_survival_keeps_every_anchor_where_lru_cycles_them_out():
     assert stats["agents"]["coder"]["anchor_length_blocks"] == ANCHOR_BLOCKS
     assert stats["agents"]["coder"]["hits"] == 4 * anchor_tokens
     assert stats["evictions"]["anchor"] == 0 < stats["evictions"]["retired"]
+
+
+def test_the_blocks_each_agent_holds_are_those_still_cached_after_evictions():
+    """An evicted block's tracker entry stays until the block is cached again: the per-agent block
+    counts read only the blocks that still hold a hash, and what an untagged call caches in evicted
+    blocks is untagged."""
+    kv = manager(NUM_BLOCKS)
+    runtime = AgentKVRuntime(RuntimeConfig(refresh_interval=0.0))
+    runtime.install(kv)
+    replay(kv, runtime, 6)
+
+    def held() -> int:
+        rows = runtime.stats(max_age=0.0)["agents"].values()
+        return sum(row["anchor_blocks"] + row["history_blocks"] for row in rows)
+
+    cached = [block for block in kv.block_pool.blocks if block.block_hash is not None]
+    assert runtime.stats()["evictions"]["retired"] > 0
+    assert held() == len(cached) > 0
+    # an untagged call as long as the pool evicts every cached block and caches its own in them
+    assert run(kv, runtime, request(list(range(900_000, 900_000 + (NUM_BLOCKS - 1) * BS)), None)) == 0
+    assert held() == 0
+    assert {runtime.tracker.group_of(block) for block in kv.block_pool.blocks if not block.is_null} == {UNTAGGED}
 
 
 def test_after_a_prefix_cache_reset_the_anchors_are_kept_as_on_a_fresh_pool():
