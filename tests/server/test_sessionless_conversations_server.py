@@ -63,5 +63,7 @@ def test_conversations_that_name_their_agent_alone_are_evicted_as_their_own(vani
     # the conversations' blocks leave as their own conversations' history (untagged from session 18 to 43)
     assert snapshot.delta("evictions", "history", now=stats) > 0
     assert snapshot.delta("evictions", "untagged", now=stats) == 0
-    # 14,208 tokens each; before session 18 (at the floor) agentkv 13,792, 24 history and 6 anchor blocks evicted
-    assert agentkv >= vanilla - 2 * BLOCK
+    # 14,208 tokens each on an idle machine; before session 18 (at the floor) agentkv 13,792, 24 history
+    # and 6 anchor blocks evicted. Rates are per second and the scores refresh by wall time, so a busy
+    # machine moves a block or three (a loaded CI run: 14,112)
+    assert agentkv >= vanilla - 4 * BLOCK

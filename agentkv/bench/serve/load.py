@@ -7,6 +7,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from agentkv.warmup import AnchorBook
 
 __all__ = ["arrival_times", "run_rate"]
+
+_SETTLE = 5.0  # seconds to wait at most for the engines' counters to take in a run
 
 
 def arrival_times(rate: float, sessions: int, seed: int) -> list[float]:
@@ -39,6 +42,23 @@ def _load() -> float:
         return round(os.getloadavg()[0], 2)
     except OSError:  # pragma: no cover - not on Linux/macOS
         return math.nan
+
+
+async def _settled_counters(client: httpx.AsyncClient, engines: Sequence[str], before: list[tuple[float, float]],
+                            *, calls: int) -> list[tuple[float, float]]:
+    """The engines' (hits, queries) once two reads 0.2 s apart agree and, after ``calls`` answered
+    calls, the queries moved: an engine counts a step's prefix-cache queries after it answers, and
+    on a loaded machine that lags (a read 0.2 s after the run once saw no query on any replica).
+    Gives up after ``_SETTLE`` seconds with the last read."""
+    deadline = time.perf_counter() + _SETTLE
+    previous = None
+    while True:
+        await asyncio.sleep(0.2)
+        counters = await engine_counters(client, engines)
+        moved = not calls or sum(a[1] - b[1] for a, b in zip(counters, before, strict=True)) > 0
+        if (counters == previous and moved) or time.perf_counter() > deadline:
+            return counters
+        previous = counters
 
 
 async def run_rate(
@@ -107,8 +127,7 @@ async def run_rate(
             if warmup is not None:
                 warmup.close()
         wall = time.perf_counter() - t0
-        await asyncio.sleep(0.2)  # let the engine's counters settle
-        after = await engine_counters(client, target.engines)
+        after = await _settled_counters(client, target.engines, before, calls=len(timer.records))
         confusion = None
         if recognize:
             fresh = [r for r in await engine_recognitions(client, target.engines) if r[0] not in seen]
