@@ -284,6 +284,7 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
         key: K | None = None
         group: _Group[K] | None = None
         members: OrderedDict[int, tuple[KVCacheBlock, int, float]] = OrderedDict()
+        new_head = False
         try:
             for block in blocks:
                 block_key = key_of(block)
@@ -298,16 +299,14 @@ class ScoredFreeBlockQueue(FreeKVCacheBlockQueue, Generic[K]):
                         if self._partition_of is not None:
                             self._index(group)
                     members = group.blocks
-                    if not members:  # its head is this block: the heap needs its entry
-                        seq += 1
-                        members[block.block_id] = (block, seq, base)
-                        by_block[block.block_id] = group
-                        self._push_head(group)
-                        continue
+                    new_head = not members
                 seq += 1
                 block_id = block.block_id
                 members[block_id] = (block, seq, base)
                 by_block[block_id] = group
+                if new_head:  # this block heads its group: the heap needs its entry
+                    self._push_head(group)  # type: ignore[arg-type]
+                    new_head = False
         finally:
             self._seq = seq
 
