@@ -47,7 +47,7 @@ def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
     def evaluate(reuse: tuple[ReuseTable, set[str]] | None = None) -> ReuseTable:
         return score_reuse(
             chain, runtime._gaps, live, now=now, session_start_rate=runtime.timing.session_rate(now),
-            continuation={a: runtime.timing.continuation(a) for a in chain.agents},
+            pace=runtime.timing.pace(), continuation={a: runtime.timing.continuation(a) for a in chain.agents},
             interposed=runtime.learner.interposed_rate(), predictability=predictability,
             gap_count=runtime.timing.gaps, config=runtime.config.reuse, passage=runtime._passage,
             end_hazard=runtime.timing.end_hazards(), reuse=reuse)

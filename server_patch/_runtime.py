@@ -393,7 +393,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             self._gaps,
             sessions,
             now=now,
-            session_start_rate=self.timing.session_rate(now),
+            session_start_rate=self.timing.session_rate(now), pace=self.timing.pace(),
             continuation={a: self.timing.continuation(a) for a in chain.agents},
             interposed=self.learner.interposed_rate(),
             predictability=self.learner.predictability(),

@@ -87,7 +87,7 @@ def _measure(n: int, sessions: int) -> dict[str, float]:
         chain = predictor.chain()
         passage = first_passage_steps(chain.matrix, config.max_steps, tolerance=config.step_tolerance)
         return score_reuse(chain, timing.table(), timing.live(), now=clock[0],
-                           session_start_rate=timing.session_rate(clock[0]),
+                           session_start_rate=timing.session_rate(clock[0]), pace=timing.pace(),
                            continuation={a: timing.continuation(a) for a in chain.agents}, interposed=None,
                            predictability=learner.predictability(), gap_count=timing.gaps, config=config,
                            passage=passage, end_hazard=timing.end_hazards())

@@ -169,7 +169,7 @@ class ReuseTable:
     predictability: float
     predictable: bool
     untagged_weight: float = 0.5
-    time_unit: float = 1.0  # the resolution, or 1 s while no gap is learned: the scale of the workload's time
+    time_unit: float = 1.0  # the resolution, or the pace of starts while no gap is learned: the workload's time scale
 
     def score(self, group: Group) -> float:
         """log(reuses per second) of a group: smaller is evicted first."""
@@ -366,6 +366,7 @@ def score_reuse(
     passage: np.ndarray | None = None,
     end_hazard: np.ndarray | None = None,
     reuse: tuple[ReuseTable, Container[str]] | None = None,
+    pace: float | None = None,
 ) -> ReuseTable:
     """Evaluate the next-use model (pure: no state, no clock of its own).
 
@@ -382,7 +383,10 @@ def score_reuse(
     inputs changed since): every other session it scored keeps its row (not re-evaluated: its
     idle time and the chain moved on a little) when the chain's agents, the time resolution and
     the steps are the same; the caller passes only a table of the same gap distributions, passage
-    and end hazard. The anchors always sum over every session.
+    and end hazard. The anchors always sum over every session. ``pace``: the interval between
+    session starts (``SessionTiming.pace``), the table's ``time_unit`` while no gap is learned (calls
+    outside any session teach none): with a unit of 1 s the queue's recency would count seconds, and
+    outweigh every value where calls come a minute apart.
     """
     n = len(chain.agents)
     index = chain.index
@@ -482,5 +486,5 @@ def score_reuse(
         # teach no transition (R = 0), but how often each agent starts one still ranks the anchors
         predictable=(predictability > 0 or session_start_rate > 0) and predictability >= config.r_min,
         untagged_weight=config.untagged_weight,
-        time_unit=resolution if learned is not None else 1.0,
+        time_unit=resolution if learned is not None else max(pace or 1.0, config.min_time),
     )

@@ -127,6 +127,11 @@ class GapTable:
         return out[0], out[1], out[2], out[3]
 
 
+def _bin_of(gap: float) -> int:
+    """The histogram bin of one gap (below the first edge: bin 0; above the last: the last bin)."""
+    return min(max(bisect.bisect_right(_EDGE_LIST, gap) - 1, 0), _BINS - 1)
+
+
 def _bins_of(idle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the bin of each idle time, how far into the bin it is, 0..1); min/max, not np.clip,
     which costs several times more on arrays this small."""
@@ -329,7 +334,7 @@ class SessionTiming:
         self._last_start = now
 
     def _add_gap(self, agent: str, gap: float, same_dispatch: bool) -> None:
-        b = min(max(bisect.bisect_right(_EDGE_LIST, gap) - 1, 0), _BINS - 1)
+        b = _bin_of(gap)
         hist = self._hist.get(agent)
         if hist is None:
             if len(self._hist) >= self.config.max_agents:
@@ -433,6 +438,14 @@ class SessionTiming:
         """P(a request of ``agent`` is followed by another request of the same dispatch)."""
         going_on, handed = self._followed.get(agent, (0.0, 0.0))
         return going_on / (going_on + handed) if going_on + handed > 0 else 0.0
+
+    def pace(self) -> float | None:
+        """The recent interval between session starts (calls outside any session included), pauses
+        left out, as the centre of its gap bin: it moves in the bins' ~30% steps, not with every
+        start. None before two starts."""
+        if not math.isfinite(self._start_interval):
+            return None
+        return float(_CENTERS[_bin_of(self._start_interval)])
 
     def session_rate(self, now: float) -> float:
         """New sessions per second, calls outside any session included (0 until two started);

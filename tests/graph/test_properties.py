@@ -98,7 +98,8 @@ def test_scores_in_resolutions_are_every_score_times_the_time_unit(dispatches, g
     """The free queue adds decay * t to a score: scores in resolutions make its recency count time in
     resolutions (the floor and the unknown sessions' included: unscaled, they outranked scaled anchors)."""
     _, timing, table, _ = _learned_table(dispatches, gaps, declare, later)
-    assert table.time_unit == (table.resolution if timing.gaps else 1.0)  # no gap: nothing tells the time scale
+    # no gap: the pace of calls tells the time scale, or nothing does
+    assert table.time_unit == (table.resolution if timing.gaps else max(timing.pace() or 1.0, ReuseConfig().min_time))
     retired = {"s1"}.__contains__
     for current in (None, lambda session: "b"):
         plain = table.scorer(retired=retired, current=current)
@@ -122,11 +123,13 @@ def _learned_table(dispatches, gaps, declare, later):
         learner.observe(agent, session=session, parent=parent, warmup=warmup)
         if session is not None and not warmup:
             timing.observe(session, agent, now)
+        elif not warmup:
+            timing.call_outside_session(now)
     predictor = Predictor(learner, facts)
     chain = predictor.chain()
     table = score_reuse(chain, timing.table(), timing.sessions(), now=now + later, session_start_rate=0.1,
                         continuation={"a": 0.5}, interposed=None, predictability=1.0, gap_count=timing.gaps,
-                        config=ReuseConfig())
+                        config=ReuseConfig(), pace=timing.pace())
     return learner, timing, table, chain
 
 

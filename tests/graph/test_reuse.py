@@ -116,6 +116,30 @@ def test_the_time_resolution_is_a_low_percentile_of_the_learned_gaps():
     assert _table(learner, SessionTiming(), [], now=0.0).resolution == ReuseConfig().min_time  # no gap yet
 
 
+def test_while_no_gap_is_learned_the_time_unit_is_the_pace_of_calls():
+    """Calls outside any session teach no gap: the time unit is then the interval between calls (the
+    centre of its gap bin), never below ``min_time``, so that the queue's recency counts calls, not
+    seconds. Once a session's gap is learned, the unit is the resolution again."""
+    learner = _learned({("x", "y"): 100, ("y", "x"): 100})
+    chain = Predictor(learner).chain()
+
+    def unit(timing):
+        return score_reuse(chain, timing.table(), [], now=0.0, session_start_rate=0.0, continuation={},
+                           interposed=None, predictability=learner.predictability(), gap_count=timing.gaps,
+                           config=ReuseConfig(), pace=timing.pace()).time_unit
+
+    assert SessionTiming().pace() is None and unit(SessionTiming()) == 1.0  # nothing tells the time scale
+    for spacing in (0.001, 2.0, 60.0, 3600.0):
+        timing = SessionTiming()
+        for n in range(20):
+            timing.call_outside_session(n * spacing)
+        assert timing.pace() == pytest.approx(spacing, rel=0.15) if spacing > 0.02 else timing.pace() < 0.03
+        assert unit(timing) == max(timing.pace(), ReuseConfig().min_time)
+        timing.observe("s", "x", 20 * spacing)
+        timing.observe("s", "y", 21 * spacing)  # a session's gap: the resolution rules
+        assert timing.gaps == 1 and unit(timing) == pytest.approx(max(spacing, ReuseConfig().min_time), rel=0.15)
+
+
 def test_history_never_outranks_its_anchor_and_anchors_combine_sessions_as_independent_chances():
     learner = _learned({("x", "y"): 100, ("y", "x"): 100})
     timing = _timing(1.0, "xy")
