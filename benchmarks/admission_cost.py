@@ -45,9 +45,9 @@ TAGS = ("full", "agent-only", "none")
 SHAPES = ("conversations", "one-off")
 
 
-def traffic(shape: str, count: int, args: argparse.Namespace, seed: int = 0) -> Iterator[tuple[str, str, list[int]]]:
-    """(agent, conversation, prompt tokens) of ``count`` requests; every prompt ends mid-block."""
-    rng = random.Random(seed)
+def traffic(shape: str, count: int, args: argparse.Namespace) -> Iterator[tuple[str, str, list[int]]]:
+    """(agent, conversation, prompt tokens) of ``count`` requests, the same every run; every prompt ends mid-block."""
+    rng = random.Random(0)
     live = args.conversations
     turn = [rng.randrange(args.turns) for _ in range(live)]  # conversations start at staggered turns
     serial = list(range(live))
@@ -73,18 +73,20 @@ def run(shape: str, tags: str, args: argparse.Namespace) -> float:
     gc.collect()
     gc.freeze()  # as the engine core freezes its startup heap (vllm's freeze_gc_heap): collections skip it
     spent, timed = 0.0, 0
-    for i, (agent, conversation, tokens) in enumerate(traffic(shape, args.requests, args)):
-        tag = None if tags == "none" else AgentTag(agent, conversation if tags == "full" else None)
-        request = Request(f"r{i}", tokens, SamplingParams(max_tokens=1, extra_args=tag and tag.to_xargs()), None,
-                          block_hasher=HASHER)
-        start = time.thread_time()
-        runtime.on_add_request(request)
-        if i >= args.requests // 2:
-            spent += time.thread_time() - start
-            timed += 1
-        runtime.refresh()
-        serve_once(kv, request)
-    gc.unfreeze()
+    try:
+        for i, (agent, conversation, tokens) in enumerate(traffic(shape, args.requests, args)):
+            tag = None if tags == "none" else AgentTag(agent, conversation if tags == "full" else None)
+            request = Request(f"r{i}", tokens, SamplingParams(max_tokens=1, extra_args=tag and tag.to_xargs()), None,
+                              block_hasher=HASHER)
+            start = time.thread_time()
+            runtime.on_add_request(request)
+            if i >= args.requests // 2:
+                spent += time.thread_time() - start
+                timed += 1
+            runtime.refresh()
+            serve_once(kv, request)
+    finally:
+        gc.unfreeze()  # the next run's set-up (and a failed run's caller) collects as usual
     return spent / timed * 1e6
 
 
