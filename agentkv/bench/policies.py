@@ -182,7 +182,9 @@ class Belady(ScoredPolicy):
     used by the same request the deeper go first, so chains are evicted child first (also
     after a re-queue, which appends blocks in no chain order). A free block whose predicted
     use has passed (its parent was missing, so the lookup never reached it) is re-queued with
-    its next use recomputed.
+    its next use recomputed. Only a block's latest filing is re-queued: a block used and freed
+    again was filed anew, and re-queueing it for each earlier filing too cost a pass over every
+    block per request on tapes whose requests do not overlap.
     """
 
     name = "belady"
@@ -192,6 +194,7 @@ class Belady(ScoredPolicy):
         self.uses = sim.plan.uses  # hash -> sorted indices of the requests whose prompt holds it
         self.depth = sim.plan.depth_of_hash
         self.pending: dict[int, list[tuple[KVCacheBlock, bytes]]] = {}
+        self.filed: dict[int, float] = {}  # block_id -> the next use it was last filed under
         super().install(sim)
 
     def _next_use(self, block_hash: bytes) -> float:
@@ -204,7 +207,7 @@ class Belady(ScoredPolicy):
     def group_of(self, block: KVCacheBlock) -> Hashable:
         assert block.block_hash is not None
         block_hash = get_block_hash(block.block_hash)
-        use = self._next_use(block_hash)
+        use = self.filed[block.block_id] = self._next_use(block_hash)
         if use == _NEVER:
             return use
         self.pending.setdefault(int(use), []).append((block, block.block_hash))
@@ -217,7 +220,7 @@ class Belady(ScoredPolicy):
         stale = [use for use in self.pending if use < sim.next_index]
         for use in sorted(stale):
             for block, block_hash in self.pending.pop(use):
-                if block.ref_cnt == 0 and block.block_hash == block_hash:
+                if block.ref_cnt == 0 and block.block_hash == block_hash and self.filed[block.block_id] == use:
                     self.queue.remove(block)
                     self.queue.append(block)  # regrouped by its next use from now on
 

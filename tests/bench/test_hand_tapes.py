@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agentkv.bench.plan import TapePlan
-from agentkv.bench.policies import POLICIES, AgentKV
+from agentkv.bench.policies import POLICIES, AgentKV, Belady
 from agentkv.bench.replay import Replay, replay
 from agentkv.bench.sweep import candidate_capacities
 from agentkv.bench.tape import TapeError, read_tape, write_tape
@@ -309,6 +309,30 @@ def test_belady_is_never_below_lru_when_blocks_are_requeued():
     plan = TapePlan(read_tape(Path(__file__).parent / "tapes" / "belady-requeue.jsonl"))
     for capacity in (34, 45):
         assert replay(plan, "belady", capacity).hit_rate >= replay(plan, "lru", capacity).hit_rate
+
+
+def test_belady_requeues_no_block_whose_last_filed_use_hit_it():
+    # one request at a time, nothing evicted: every use a block is filed under hits it, so none is
+    # re-queued (a block's earlier filings each re-queued it again at every later use: a pass over a
+    # growing list per request, 12x the replay's time on a zoo tape at 60x its times)
+    class Counting(Belady):
+        requeued = 0
+        scheduling = False
+
+        def before_schedule(self, sim):
+            self.scheduling = True
+            super().before_schedule(sim)
+            self.scheduling = False
+
+        def group_of(self, block):
+            self.requeued += self.scheduling
+            return super().group_of(block)
+
+    plan = _plan(HEADER, *(_request(t=10.0 * i) for i in range(20)))
+    policy = Counting()
+    result = replay(plan, policy, 16)
+    assert result.hit_tokens == 19 * 32 and result.evictions == 0
+    assert policy.requeued == 0
 
 
 def test_request_ids_named_like_warmups_replay_as_any_others():
