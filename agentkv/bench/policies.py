@@ -91,7 +91,11 @@ class KVFlow(ScoredPolicy):
     def install(self, sim: Simulator) -> None:
         self.graph = sim.plan.declared_graph()
         self.distance = _all_pairs_hops(self.graph)
-        self.entry = set(sim.plan.entry_agents())
+        entry = set(sim.plan.entry_agents())
+        # a new session's steps to each agent: the same at every step (a tape's entries can be
+        # hundreds of agents, this a pass over all pairs)
+        self.entry_steps = {a: 1 + min((self.distance[e].get(a, _FAR) for e in entry), default=_FAR)
+                            for a in self.distance}
         self.current: dict[str, str] = {}
         self.users: dict[int, tuple[bytes, set[str], set[str]]] = {}  # block_id -> (hash, agents, sessions)
         self.steps: dict[str, int] = {}
@@ -121,8 +125,7 @@ class KVFlow(ScoredPolicy):
         self.current.pop(session, None)
 
     def before_schedule(self, sim: Simulator) -> None:
-        best: dict[str, int] = {a: 1 + min((self.distance[e].get(a, _FAR) for e in self.entry), default=_FAR)
-                                for a in self.distance}
+        best = dict(self.entry_steps)
         for agent in self.current.values():
             for target, hops in self.distance[agent].items():
                 if hops < best.get(target, _FAR):
