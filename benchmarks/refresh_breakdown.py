@@ -53,7 +53,7 @@ def time_parts(runtime: AgentKVRuntime, timed: Timer) -> None:
             end_hazard=runtime.timing.end_hazards(), reuse=reuse)
 
     table = timed("score_reuse", evaluate)
-    touched = runtime.timing._touched  # peeked, not taken: the refresh below takes them
+    touched = runtime.timing._touched._changed  # peeked, not taken: the refresh below takes them
     if runtime.table is not None and touched is not None:
         previous = runtime.table
         timed("score_reuse, touched sessions only", lambda: evaluate((previous, touched)))
