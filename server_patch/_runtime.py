@@ -29,6 +29,7 @@ from agentkv.graph import (
     ReuseTable,
     first_passage_steps,
     padded_passage,
+    passage_size,
     recency_scorer,
     score_reuse,
 )
@@ -51,7 +52,8 @@ logger = logging.getLogger("agentkv.server")
 _RETIRED = -math.inf
 # Scores depend on how long sessions have been idle: re-evaluate at least this often (clock s).
 _RESCORE_INTERVAL = 0.25
-# The chain's first-passage table and the gap distributions are rebuilt at least this often (s).
+# The chain's first-passage table and the gap distributions are rebuilt at least this often (s);
+# the table of a chain of n > 64 agents n / 64 times as long: its cost grows with it, its worth does not.
 _REBUILD_INTERVAL = 2.0
 # An evaluation re-evaluates every live session at least this often (clock s, and every 4th
 # evaluation); the others only the sessions that had a request, an answer or an end since (the
@@ -123,6 +125,7 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         self._partial = 0  # evaluations since the last full one
         self._full_at = -math.inf  # when the last full one ran
         self._hazard: np.ndarray | None = None  # the end hazard of the last evaluation
+        # log(reuses/s) of a group x the time resolution (s); all equal under LRU, -inf once retired
         self._scorer: Callable[[Group], float] = recency_scorer()
         self._stats_cache: tuple[float, tuple[int, int], dict[str, Any]] | None = None  # (built at, changes, document)
 
@@ -366,7 +369,9 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         agents = len(chain.agents)
         # keyed on declarations alone: session events leave the chain as it was; checked (and so
         # recorded) on the first build too, or the evaluation after it would build again
-        stale = self._stale("passage", (agents, self.facts.graph_version), dispatches, now)
+        size = passage_size(self._built["passage"][0][0] if "passage" in self._built else None, agents)
+        every = _REBUILD_INTERVAL * max(1.0, size / PassageBuilder.MIN_AGENTS)
+        stale = self._stale("passage", (size, self.facts.graph_version), dispatches, now, every=every)
         if self._passage is None or stale:
             if self._passage is None or self._passage.shape[1] > agents:
                 self._passage = first_passage_steps(chain.matrix, steps, tolerance=tolerance)  # none to read
@@ -405,15 +410,15 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
             reuse=(self.table, touched) if partial and self.table is not None and touched is not None else None,
         )
 
-    def _stale(self, name: str, shape: object, evidence: int, now: float) -> bool:
-        """True when a cached input was built on another shape, on 5% less evidence, or 2 s ago.
+    def _stale(self, name: str, shape: object, evidence: int, now: float, *, every: float = _REBUILD_INTERVAL) -> bool:
+        """True when a cached input was built on another shape, on 5% less evidence, or ``every`` s ago.
 
         The counts move little per dispatch: recomputing on every one would cost most of a
         scheduler step at tens of agents, for no change in the eviction order.
         """
         built = self._built.get(name)
         if built is not None and built[0] == shape and evidence - built[1] < max(1, built[1] // 20) \
-                and now - built[2] < _REBUILD_INTERVAL:
+                and now - built[2] < every:
             return False
         self._built[name] = (shape, evidence, now)
         return True
@@ -423,11 +428,6 @@ class AgentKVRuntime(RequestTagging, RuntimeControl):
         if not self.config.enabled or self.tagged_requests == 0 or self.table is None or not self.table.predictable:
             return "lru"
         return "survival"
-
-    def _score_of(self, group: Group) -> float:
-        """log(reuses per second) of a group times the time resolution (s); equal for all while the
-        policy is LRU, -inf once retired."""
-        return self._scorer(group)
 
     def _on_evict(self, popped: Sequence[KVCacheBlock], runs: Iterable[tuple[object, int]]) -> None:
         """Blocks the free queue handed out, in runs of (group, count): those still holding a hash are

@@ -5,7 +5,7 @@ Pure Python + numpy + networkx; shared by the client and the vLLM server extensi
 
 from ._facts import END, START, FactsFull, GraphFacts
 from ._learner import LearnerConfig, Observation, TransitionLearner, transition_entropy_ratio
-from ._passage import PassageBuilder, first_passage_steps, first_passage_within, padded_passage
+from ._passage import PassageBuilder, first_passage_steps, first_passage_within, padded_passage, passage_size
 from ._peers import COUNTS_FORMAT, COUNTS_VERSION, PEER_WEIGHT_FLOOR, PeerExport
 from ._predictor import ChainModel, Prediction, Predictor, top_successors
 from ._reuse import (
@@ -71,6 +71,7 @@ __all__ = [
     "load_learned_state",
     "load_snapshot",
     "padded_passage",
+    "passage_size",
     "recency_scorer",
     "restore_snapshot",
     "save_snapshot",

@@ -6,7 +6,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["PassageBuilder", "by_origin", "first_passage_steps", "first_passage_within", "padded_passage"]
+__all__ = ["PassageBuilder", "by_origin", "first_passage_steps", "first_passage_within", "padded_passage",
+           "passage_size"]
 
 
 def first_passage_within(matrix: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,6 +57,16 @@ def padded_passage(passage: np.ndarray, agents: int) -> np.ndarray:
     table = np.zeros((agents, steps, agents))
     table[:n, :, :n] = by_origin(passage)
     return table.transpose(1, 0, 2)
+
+
+def passage_size(built: int | None, agents: int) -> int:
+    """The chain size to key a first-passage table on, ``built`` the size of the current one: from
+    ``PassageBuilder.MIN_AGENTS`` agents on, ``built`` until the chain has 5% more agents (the ones
+    added since are padded in: no first visit to or from them), so that a chain gaining agents one
+    by one is not rebuilt at each (a 600-agent replay spent most of its time there); else ``agents``."""
+    if built is not None and PassageBuilder.MIN_AGENTS <= built <= agents < built + max(1, built // 20):
+        return built
+    return agents
 
 
 class PassageBuilder:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from agentkv.graph import PassageBuilder, first_passage_steps, padded_passage
+from agentkv.graph import PassageBuilder, first_passage_steps, padded_passage, passage_size
 
 
 def _chain(n: int, seed: int) -> np.ndarray:
@@ -66,3 +66,15 @@ def test_a_padded_table_keeps_the_old_chain_and_says_nothing_of_the_agents_added
     assert np.array_equal(grown[:, :5, :5], old)
     assert not grown[:, 5:, :].any() and not grown[:, :, 5:].any()
     assert grown.transpose(1, 0, 2).flags["C_CONTIGUOUS"]  # stored by origin, as its readers take it
+
+
+@pytest.mark.parametrize(("built", "agents", "size"), [
+    (None, 300, 300),  # no table yet
+    (63, 64, 64),  # under 64 agents: rebuilt at every new one (half a millisecond)
+    (64, 66, 64), (64, 67, 67),  # from 64 on, kept until the chain has 5% more agents (64 // 20 = 3)
+    (200, 209, 200), (200, 210, 210),
+    (200, 150, 150),  # a smaller chain (a restored snapshot) is built anew
+])
+def test_a_table_of_many_agents_is_kept_until_the_chain_has_5_percent_more(built: int | None, agents: int,
+                                                                           size: int):
+    assert passage_size(built, agents) == size

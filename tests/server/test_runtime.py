@@ -277,7 +277,7 @@ def test_ended_session_history_is_evicted_before_live_history():
     victims = [b.block_id for b in kv.block_pool.get_new_blocks(hashless + 2)][hashless:]
     # LRU would take "oldest"; the ended session's history goes first, child before parent
     assert victims == cached["newest"][::-1]
-    assert math.isinf(runtime._score_of(History("newest", frozenset({"a"}))))
+    assert math.isinf(runtime._scorer(History("newest", frozenset({"a"}))))
     assert runtime.stats()["evictions"]["retired"] == 2
 
 
