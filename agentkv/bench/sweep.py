@@ -13,7 +13,7 @@ from ._defaults import DEFAULT_MARGIN, DEFAULT_MULTIPLIERS, DEFAULT_POLICIES
 from .plan import TapePlan
 from .replay import CapacityError, replay, time_model_of
 from .report import targets
-from .tape import Tape, TapeError, read_tape
+from .tape import Tape, TapeError, TimeModel, read_tape
 
 __all__ = ["candidate_capacities", "sweep"]
 
@@ -39,7 +39,30 @@ def _plan(path: str) -> TapePlan:
                          'new conversation, agentkv learns no transition from it); leave parent out if the tape '
                          'does not track it', path, restarts, len(tape.requests))
         plan = _PLANS[path] = TapePlan(tape)
+        late, worst = _late_requests(plan, time_model_of(tape))
+        if late > len(tape.requests) // 20:
+            _log.warning("%s: %d of %d requests arrive after their t with no cache hit and no queue: their "
+                         "session's previous request, timed by the tape's time model, plus its tool_gap ends up to "
+                         "%.1f s later (a session's calls are replayed one after another, parallel ones too); "
+                         "requests start in tape order, so later ones wait behind them", path, late,
+                         len(tape.requests), worst)
     return plan
+
+
+def _late_requests(plan: TapePlan, model: TimeModel) -> tuple[int, float]:
+    """(requests more than 1 s later than their ``t``, the latest by how much) when every request
+    is served at once, with no cache hit: arrivals the tape's own times cannot have meant."""
+    arrival = [request.t for request in plan.requests]
+    late, worst = 0, 0.0
+    for index, request in enumerate(plan.requests):
+        following = plan.next_in_session[index]
+        if following is not None:
+            done = arrival[index] + model.duration(len(plan.prompts[index]), request.output_tokens)
+            arrival[following] = max(arrival[following], done + request.tool_gap)
+        behind = arrival[index] - request.t
+        late += behind > 1.0
+        worst = max(worst, behind)
+    return late, worst
 
 
 def _cell(path: str, name: str, policy: str, capacity: int, ttl: float | None) -> dict[str, Any]:

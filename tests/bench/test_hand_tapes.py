@@ -386,3 +386,22 @@ def test_a_time_model_with_fields_of_its_own_is_read_for_the_ones_it_knows():
                                                     "gpu": "H100"}}}
     tape = read_tape(io.StringIO(json.dumps(header) + "\n" + json.dumps(_request())))
     assert time_model_of(tape).prefill_tps == 1000.0
+
+
+def test_a_tape_whose_times_its_tool_gaps_overrun_is_warned_about(tmp_path, caplog):
+    from agentkv.bench import sweep as sweep_module
+
+    # each call takes 5 ms + 40 / 10,000 s + 2 x 10 ms; the next comes 1 s later but the tool runs 3 s
+    lines = [HEADER] + [_request(t=float(k), parent="" if k == 0 else "x", tool_gap=3.0) for k in range(40)]
+    late = tmp_path / "late.jsonl"
+    late.write_text("\n".join(json.dumps(x) for x in lines))
+    on_time = tmp_path / "on-time.jsonl"
+    on_time.write_text("\n".join(json.dumps(x) for x in [HEADER] + [
+        _request(t=3.1 * k, parent="" if k == 0 else "x", tool_gap=3.0) for k in range(40)]))
+    with caplog.at_level("WARNING", logger="agentkv.bench.sweep"):
+        sweep_module._plan(str(late))
+        sweep_module._plan(str(on_time))
+    # request k arrives at 3.029 k s, 2.029 k s late: all but the first, the last by 79.1 s
+    assert f"{late}: 39 of 40 requests arrive after their t with no cache hit and no queue" in caplog.text
+    assert "up to 79.1 s later" in caplog.text
+    assert str(on_time) not in caplog.text
