@@ -28,7 +28,7 @@ def _plan(path: str) -> TapePlan:
     if plan is None:
         try:
             tape = read_tape(path)
-            time_model_of(tape)  # a bad workload.time_model fails here, named with its path
+            model = time_model_of(tape)  # a bad workload.time_model fails here, named with its path
         except (TapeError, OSError) as exc:
             raise TapeError(f"{path}: {exc}") from exc
         if not tape.requests:
@@ -39,7 +39,7 @@ def _plan(path: str) -> TapePlan:
                          'new conversation, agentkv learns no transition from it); leave parent out if the tape '
                          'does not track it', path, restarts, len(tape.requests))
         plan = _PLANS[path] = TapePlan(tape)
-        late, worst = _late_requests(plan, time_model_of(tape))
+        late, worst = _late_requests(plan, model)
         if late > len(tape.requests) // 20:
             _log.warning("%s: %d of %d requests arrive after their t with no cache hit and no queue: their "
                          "session's previous request, timed by the tape's time model, plus its tool_gap ends up to "

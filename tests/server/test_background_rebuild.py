@@ -50,4 +50,3 @@ def test_a_stale_table_is_rebuilt_on_a_thread_and_then_read(monkeypatch: pytest.
         now[0] += 2.5
         time.sleep(0.01)
         runtime.refresh()
-
